@@ -1,0 +1,552 @@
+//! Buffers: validated views of the `XLA_FFI_Buffer`s in a call frame, and their typed decoding.
+//!
+//! Arguments are read-only; results are writable. Before a result is handed out, decoding checks
+//! that its memory overlaps no argument and no other result, so the `&[T]` and `&mut [T]` views
+//! this module gives out never alias. (A bundle that asks XLA to alias an input with an output
+//! cannot use the typed result views; it gets a clear decode error instead of undefined
+//! behaviour.)
+
+use std::ffi::c_void;
+use std::fmt;
+use std::mem::{align_of, size_of};
+use std::ptr::{self, NonNull};
+
+use super::dtype::{DataType, NativeType};
+use super::error::DecodeErrors;
+use super::sys;
+
+/// Ranks above this are rejected as malformed (XLA itself supports far fewer).
+pub const MAX_RANK: i64 = 64;
+/// Counts of arguments, results or attributes above this are rejected as malformed.
+pub const MAX_OPERANDS: i64 = 1 << 16;
+
+/// Whether a buffer is an argument or a result, and its index: used in every message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    Argument(usize),
+    Result(usize),
+}
+
+impl fmt::Display for Operand {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Operand::Argument(i) => write!(f, "argument {i}"),
+            Operand::Result(i) => write!(f, "result {i}"),
+        }
+    }
+}
+
+/// A validated buffer of any dtype. For arguments, typed views are read-only.
+#[derive(Clone, Copy)]
+pub struct AnyBuffer<'a> {
+    dtype: DataType,
+    data: *mut c_void,
+    dims: &'a [i64],
+    element_count: usize,
+    byte_size: usize,
+    operand: Operand,
+}
+
+// SAFETY: an `AnyBuffer` only ever hands out shared (`&[T]`) views of memory that XLA keeps alive
+// for the call; sharing those across threads is as safe as sharing a slice.
+unsafe impl Send for AnyBuffer<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for AnyBuffer<'_> {}
+
+impl fmt::Debug for AnyBuffer<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AnyBuffer")
+            .field("operand", &self.operand)
+            .field("dtype", &self.dtype)
+            .field("dims", &self.dims)
+            .finish()
+    }
+}
+
+impl<'a> AnyBuffer<'a> {
+    /// Validates a raw `XLA_FFI_Buffer`.
+    ///
+    /// # Safety
+    /// `raw` must be null or point to memory readable for at least its declared `struct_size`,
+    /// whose `dims` (when the rank and struct size say so) points to `rank` readable `i64`s and
+    /// whose `data` points to the buffer's bytes, all valid for `'a`.
+    pub(crate) unsafe fn from_raw(raw: *const c_void, operand: Operand) -> Result<Self, String> {
+        let raw = raw.cast::<sys::XLA_FFI_Buffer>();
+        if raw.is_null() {
+            return Err(format!("{operand} is a null buffer pointer"));
+        }
+        // SAFETY: non-null and readable by the caller's contract.
+        let struct_size = unsafe { ptr::addr_of!((*raw).struct_size).read() };
+        if struct_size < sys::XLA_FFI_Buffer::STRUCT_SIZE {
+            return Err(format!(
+                "{operand}: unexpected XLA_FFI_Buffer size: expected at least {}, got {struct_size}",
+                sys::XLA_FFI_Buffer::STRUCT_SIZE
+            ));
+        }
+        // SAFETY: struct_size covers every field (checked above).
+        let buffer = unsafe { raw.read() };
+        let dtype = DataType::from_raw(buffer.dtype);
+        if dtype.bit_width().is_none() {
+            return Err(format!("{operand} has unsupported dtype {dtype}"));
+        }
+        if !(0..=MAX_RANK).contains(&buffer.rank) {
+            return Err(format!("{operand} has invalid rank {}", buffer.rank));
+        }
+        let rank = buffer.rank as usize;
+        let dims: &'a [i64] = if rank == 0 {
+            &[]
+        } else if buffer.dims.is_null() {
+            return Err(format!("{operand} has rank {rank} but no dimensions"));
+        } else {
+            // SAFETY: the caller guarantees `rank` readable i64s at `dims` for `'a`.
+            unsafe { std::slice::from_raw_parts(buffer.dims, rank) }
+        };
+        let mut element_count: usize = 1;
+        for &d in dims {
+            let d = usize::try_from(d)
+                .map_err(|_| format!("{operand} has a negative dimension in {dims:?}"))?;
+            element_count = element_count
+                .checked_mul(d)
+                .ok_or_else(|| format!("{operand}: element count of {dims:?} overflows"))?;
+        }
+        let byte_size = dtype
+            .bytes_for(element_count)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                format!("{operand}: byte size of {dtype} {dims:?} is not representable")
+            })?;
+        if byte_size > 0 && buffer.data.is_null() {
+            return Err(format!(
+                "{operand} of {byte_size} bytes has a null data pointer"
+            ));
+        }
+        Ok(AnyBuffer {
+            dtype,
+            data: buffer.data,
+            dims,
+            element_count,
+            byte_size,
+            operand,
+        })
+    }
+
+    pub fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    pub fn dims(&self) -> &'a [i64] {
+        self.dims
+    }
+
+    pub fn rank(&self) -> usize {
+        self.dims.len()
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.element_count
+    }
+
+    pub fn byte_size(&self) -> usize {
+        self.byte_size
+    }
+
+    pub fn operand(&self) -> Operand {
+        self.operand
+    }
+
+    /// The device address of the data, e.g. for a GPU kernel launch. Never dereferenced here.
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.data
+    }
+
+    /// The half-open byte range of the data, for the aliasing check.
+    fn byte_range(&self) -> (usize, usize) {
+        let start = self.data as usize;
+        (start, start + self.byte_size)
+    }
+
+    /// Why a `T` view is not possible, if it is not.
+    fn check_view<T: NativeType>(&self) -> Result<(), String> {
+        if self.dtype != T::DTYPE {
+            return Err(format!(
+                "wrong dtype for {}: expected {}, got {}",
+                self.operand,
+                T::DTYPE,
+                self.dtype
+            ));
+        }
+        if self.byte_size > 0 && (self.data as usize) % align_of::<T>() != 0 {
+            return Err(format!(
+                "{} is not aligned for {} (address {:p})",
+                self.operand,
+                T::DTYPE,
+                self.data
+            ));
+        }
+        debug_assert_eq!(self.byte_size, self.element_count * size_of::<T>());
+        Ok(())
+    }
+
+    fn data_ptr<T>(&self) -> *mut T {
+        if self.byte_size == 0 {
+            NonNull::<T>::dangling().as_ptr()
+        } else {
+            self.data.cast()
+        }
+    }
+
+    /// A read-only typed view, if the dtype is `T`'s. Only for arguments.
+    pub fn as_slice<T: NativeType>(&self) -> Result<&'a [T], String> {
+        if let Operand::Result(_) = self.operand {
+            return Err(format!(
+                "{} is a result; use its writable view",
+                self.operand
+            ));
+        }
+        self.check_view::<T>()?;
+        // SAFETY: the dtype matches `T` (every bit pattern valid), the pointer is aligned and
+        // non-null (dangling only for zero elements), XLA keeps `element_count` elements alive
+        // for `'a`, and no writable view of argument memory is ever created (results that would
+        // overlap an argument are rejected at decode time).
+        Ok(unsafe { std::slice::from_raw_parts(self.data_ptr::<T>(), self.element_count) })
+    }
+}
+
+/// A writable buffer of any dtype: one of the call's results.
+pub struct AnyResult<'a> {
+    buffer: AnyBuffer<'a>,
+}
+
+// SAFETY: a result is uniquely owned by whoever holds this value (decoding checked that no other
+// view overlaps it), like a `&mut [u8]`, which is `Send`.
+unsafe impl Send for AnyResult<'_> {}
+
+impl fmt::Debug for AnyResult<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.buffer.fmt(f)
+    }
+}
+
+impl<'a> AnyResult<'a> {
+    pub fn dtype(&self) -> DataType {
+        self.buffer.dtype
+    }
+
+    pub fn dims(&self) -> &'a [i64] {
+        self.buffer.dims
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.buffer.element_count
+    }
+
+    pub fn operand(&self) -> Operand {
+        self.buffer.operand
+    }
+
+    /// The device address of the data, e.g. for a GPU kernel launch. Never dereferenced here.
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.buffer.data
+    }
+
+    /// A writable typed view for the life of this borrow.
+    pub fn as_mut_slice<T: NativeType>(&mut self) -> Result<&mut [T], String> {
+        self.buffer.check_view::<T>()?;
+        // SAFETY: as in `AnyBuffer::as_slice`; in addition the memory overlaps no other view
+        // (checked at decode time) and `&mut self` makes this borrow unique.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.buffer.data_ptr::<T>(), self.buffer.element_count)
+        })
+    }
+
+    /// A writable typed view for the rest of the call.
+    pub fn into_mut_slice<T: NativeType>(self) -> Result<&'a mut [T], String> {
+        self.buffer.check_view::<T>()?;
+        // SAFETY: as in `as_mut_slice`; consuming `self` makes the view unique for `'a`.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.buffer.data_ptr::<T>(), self.buffer.element_count)
+        })
+    }
+}
+
+/// An argument of the fixed dtype `T`.
+#[derive(Debug, Clone, Copy)]
+pub struct Buffer<'a, T: NativeType> {
+    pub data: &'a [T],
+    pub dims: &'a [i64],
+}
+
+/// A result of the fixed dtype `T`.
+#[derive(Debug)]
+pub struct ResultBuffer<'a, T: NativeType> {
+    pub data: &'a mut [T],
+    pub dims: &'a [i64],
+}
+
+/// The validated argument list of a call frame.
+#[derive(Clone, Copy)]
+pub struct ArgsView<'a> {
+    raw: &'a sys::XLA_FFI_Args,
+}
+
+/// The validated result list of a call frame.
+#[derive(Clone, Copy)]
+pub struct RetsView<'a> {
+    raw: &'a sys::XLA_FFI_Rets,
+    args: ArgsView<'a>,
+}
+
+/// Checks a `(struct_size, size, types, items)` list header shared by args, rets and attrs.
+pub(crate) fn check_list(
+    what: &str,
+    struct_size: usize,
+    min_struct_size: usize,
+    size: i64,
+    types_null: bool,
+    items_null: bool,
+) -> Result<(), String> {
+    if struct_size < min_struct_size {
+        return Err(format!(
+            "unexpected {what} struct size: expected at least {min_struct_size}, got {struct_size}"
+        ));
+    }
+    if !(0..=MAX_OPERANDS).contains(&size) {
+        return Err(format!("invalid number of {what}: {size}"));
+    }
+    if size > 0 && (types_null || items_null) {
+        return Err(format!("{size} {what} announced but the lists are null"));
+    }
+    Ok(())
+}
+
+impl<'a> ArgsView<'a> {
+    /// # Safety
+    /// `raw` must be a call frame's argument list, valid for `'a`, as XLA lays it out.
+    pub(crate) unsafe fn new(raw: &'a sys::XLA_FFI_Args) -> Result<Self, String> {
+        check_list(
+            "arguments",
+            raw.struct_size,
+            sys::XLA_FFI_Args::STRUCT_SIZE,
+            raw.size,
+            raw.types.is_null(),
+            raw.args.is_null(),
+        )?;
+        Ok(ArgsView { raw })
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.size as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `index`th argument, validated.
+    pub fn get(&self, index: usize) -> Result<AnyBuffer<'a>, String> {
+        if index >= self.len() {
+            return Err(format!(
+                "there is no argument {index} (the call has {})",
+                self.len()
+            ));
+        }
+        // SAFETY: `index < size` and the lists hold `size` entries (validated in `new`).
+        let (ty, item) = unsafe { (*self.raw.types.add(index), *self.raw.args.add(index)) };
+        if ty != sys::XLA_FFI_ArgType::BUFFER {
+            return Err(format!("argument {index} has unsupported type {}", ty.0));
+        }
+        // SAFETY: XLA passes an `XLA_FFI_Buffer*` for every BUFFER argument.
+        unsafe { AnyBuffer::from_raw(item, Operand::Argument(index)) }
+    }
+}
+
+impl<'a> RetsView<'a> {
+    /// # Safety
+    /// `raw` must be a call frame's result list, valid for `'a`, as XLA lays it out.
+    pub(crate) unsafe fn new(
+        raw: &'a sys::XLA_FFI_Rets,
+        args: ArgsView<'a>,
+    ) -> Result<Self, String> {
+        check_list(
+            "results",
+            raw.struct_size,
+            sys::XLA_FFI_Rets::STRUCT_SIZE,
+            raw.size,
+            raw.types.is_null(),
+            raw.rets.is_null(),
+        )?;
+        Ok(RetsView { raw, args })
+    }
+
+    pub fn len(&self) -> usize {
+        self.raw.size as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn buffer(&self, index: usize) -> Result<AnyBuffer<'a>, String> {
+        if index >= self.len() {
+            return Err(format!(
+                "there is no result {index} (the call has {})",
+                self.len()
+            ));
+        }
+        // SAFETY: `index < size` and the lists hold `size` entries (validated in `new`).
+        let (ty, item) = unsafe { (*self.raw.types.add(index), *self.raw.rets.add(index)) };
+        if ty != sys::XLA_FFI_RetType::BUFFER {
+            return Err(format!("result {index} has unsupported type {}", ty.0));
+        }
+        // SAFETY: XLA passes an `XLA_FFI_Buffer*` for every BUFFER result.
+        unsafe { AnyBuffer::from_raw(item, Operand::Result(index)) }
+    }
+
+    /// The `index`th result, validated and checked not to overlap any argument or other result.
+    ///
+    /// Taking the same result twice is prevented by the decoders, which take each index once.
+    pub(crate) fn take(&self, index: usize) -> Result<AnyResult<'a>, String> {
+        let buffer = self.buffer(index)?;
+        let (start, end) = buffer.byte_range();
+        if start < end {
+            let overlaps = |other: AnyBuffer<'_>| {
+                let (s, e) = other.byte_range();
+                s < e && s < end && start < e
+            };
+            for i in 0..self.args.len() {
+                if let Ok(arg) = self.args.get(i) {
+                    if overlaps(arg) {
+                        return Err(format!(
+                            "result {index} overlaps argument {i} in memory; aliased buffers are \
+                             not supported by the typed result views"
+                        ));
+                    }
+                }
+            }
+            for j in (0..self.len()).filter(|&j| j != index) {
+                if let Ok(other) = self.buffer(j) {
+                    if overlaps(other) {
+                        return Err(format!("result {index} overlaps result {j} in memory"));
+                    }
+                }
+            }
+        }
+        Ok(AnyResult { buffer })
+    }
+}
+
+/// Decoding of one argument from a validated buffer.
+pub trait FromArg<'a>: Sized {
+    /// What the signature expects, for messages ("F32 buffer").
+    fn expected() -> String;
+    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String>;
+}
+
+impl<'a> FromArg<'a> for AnyBuffer<'a> {
+    fn expected() -> String {
+        "buffer".into()
+    }
+    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String> {
+        Ok(buffer)
+    }
+}
+
+impl<'a, T: NativeType> FromArg<'a> for Buffer<'a, T> {
+    fn expected() -> String {
+        format!("{} buffer", T::DTYPE)
+    }
+    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String> {
+        Ok(Buffer {
+            data: buffer.as_slice::<T>()?,
+            dims: buffer.dims(),
+        })
+    }
+}
+
+/// Decoding of one result.
+pub trait FromRet<'a>: Sized {
+    fn from_ret(result: AnyResult<'a>) -> Result<Self, String>;
+}
+
+impl<'a> FromRet<'a> for AnyResult<'a> {
+    fn from_ret(result: AnyResult<'a>) -> Result<Self, String> {
+        Ok(result)
+    }
+}
+
+impl<'a, T: NativeType> FromRet<'a> for ResultBuffer<'a, T> {
+    fn from_ret(result: AnyResult<'a>) -> Result<Self, String> {
+        let dims = result.dims();
+        Ok(ResultBuffer {
+            data: result.into_mut_slice::<T>()?,
+            dims,
+        })
+    }
+}
+
+/// Decoding of a handler's whole argument list: tuples of [`FromArg`] types, or [`ArgsView`]
+/// itself for handlers that take a variable number of arguments.
+pub trait DecodeArgs<'a>: Sized {
+    fn decode(args: ArgsView<'a>, errors: &mut DecodeErrors) -> Option<Self>;
+}
+
+/// Decoding of a handler's whole result list: tuples of [`FromRet`] types.
+pub trait DecodeRets<'a>: Sized {
+    fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self>;
+}
+
+impl<'a> DecodeArgs<'a> for ArgsView<'a> {
+    fn decode(args: ArgsView<'a>, _errors: &mut DecodeErrors) -> Option<Self> {
+        Some(args)
+    }
+}
+
+fn check_count(what: &str, expected: usize, got: usize, errors: &mut DecodeErrors) -> bool {
+    if expected != got {
+        errors.push(format!(
+            "wrong number of {what}: expected {expected}, got {got}"
+        ));
+        return false;
+    }
+    true
+}
+
+macro_rules! tuple_decoders {
+    ($count:expr; $($name:ident : $idx:tt),*) => {
+        impl<'a, $($name: FromArg<'a>),*> DecodeArgs<'a> for ($($name,)*) {
+            #[allow(unused_variables)]
+            fn decode(args: ArgsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
+                if !check_count("arguments", $count, args.len(), errors) {
+                    return None;
+                }
+                let decoded = ($(
+                    args.get($idx).and_then($name::from_arg).map_err(|e| errors.push(e)).ok(),
+                )*);
+                Some(($(decoded.$idx?,)*))
+            }
+        }
+
+        impl<'a, $($name: FromRet<'a>),*> DecodeRets<'a> for ($($name,)*) {
+            #[allow(unused_variables)]
+            fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
+                if !check_count("results", $count, rets.len(), errors) {
+                    return None;
+                }
+                let decoded = ($(
+                    rets.take($idx).and_then($name::from_ret).map_err(|e| errors.push(e)).ok(),
+                )*);
+                Some(($(decoded.$idx?,)*))
+            }
+        }
+    };
+}
+
+tuple_decoders!(0;);
+tuple_decoders!(1; A: 0);
+tuple_decoders!(2; A: 0, B: 1);
+tuple_decoders!(3; A: 0, B: 1, C: 2);
+tuple_decoders!(4; A: 0, B: 1, C: 2, D: 3);
+tuple_decoders!(5; A: 0, B: 1, C: 2, D: 3, E: 4);
+tuple_decoders!(6; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5);
+tuple_decoders!(7; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6);
+tuple_decoders!(8; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6, H: 7);

@@ -1,0 +1,260 @@
+//! Handler bundles: one Rust type per XLA target, one trait per execution stage, and one
+//! declaration that turns the stages it implements into the `XLA_FFI_Handler_Bundle` XLA takes.
+//!
+//! ```text
+//! struct Scale;
+//! impl Bundle for Scale { const TARGET: &'static str = "scale"; type State = ScaleState; }
+//! impl Instantiate for Scale { type Attrs<'a> = ScaleAttrs; fn instantiate(..) -> .. }
+//! impl Execute for Scale { type Args<'a> = (Buffer<'a, f32>,); ... fn execute(..) -> .. }
+//!
+//! pub const SCALE: BundleDef = BundleDef::of::<Scale>().instantiate().execute().build();
+//! ```
+//!
+//! The typed signature lives in the associated types; the generic `extern "C"` entries below
+//! decode it (collecting every mismatch), fetch the state, and call the stage's method, all
+//! inside the trampoline.
+
+use std::marker::PhantomData;
+
+use super::attrs::DecodeAttrs;
+use super::buffer::{DecodeArgs, DecodeRets};
+use super::context::{Context, Stage};
+use super::error::FfiResult;
+use super::sys;
+use super::trampoline::{handle, HandlerInfo};
+use super::types::{BundleState, StateType, StateTypeRegistration};
+
+/// Handler traits, as XLA's bit set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Traits(pub sys::XLA_FFI_Handler_Traits);
+
+impl Traits {
+    pub const NONE: Traits = Traits(0);
+    /// The execute stage only enqueues the same device work on every call (may be captured
+    /// into a CUDA graph and replayed).
+    pub const COMMAND_BUFFER_COMPATIBLE: Traits =
+        Traits(sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+}
+
+/// An XLA FFI target: its name, traits and the state its stages share.
+pub trait Bundle: Sized + 'static {
+    /// The custom-call target name.
+    const TARGET: &'static str;
+    const TRAITS: Traits = Traits::NONE;
+    /// [`super::types::NoState`] for stateless bundles.
+    type State: BundleState;
+}
+
+/// The instantiate stage: once per call site per executable, attributes and context only.
+pub trait Instantiate: Bundle {
+    type Attrs<'a>: DecodeAttrs<'a>;
+    fn instantiate(ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<Self::State>;
+}
+
+/// The prepare stage: before each execution, to request resources.
+pub trait Prepare: Bundle {
+    type Attrs<'a>: DecodeAttrs<'a>;
+    fn prepare(state: &Self::State, ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<()>;
+}
+
+/// The initialize stage: before each execution, after resources were acquired.
+pub trait Initialize: Bundle {
+    type Attrs<'a>: DecodeAttrs<'a>;
+    fn initialize(state: &Self::State, ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<()>;
+}
+
+/// The execute stage: every call, possibly on many threads at once with the same state.
+pub trait Execute: Bundle {
+    type Args<'a>: DecodeArgs<'a>;
+    type Rets<'a>: DecodeRets<'a>;
+    type Attrs<'a>: DecodeAttrs<'a>;
+    fn execute(
+        state: &Self::State,
+        ctx: &Context<'_>,
+        args: Self::Args<'_>,
+        rets: Self::Rets<'_>,
+        attrs: Self::Attrs<'_>,
+    ) -> FfiResult<()>;
+}
+
+const fn info<B: Bundle>(stage: Stage) -> HandlerInfo {
+    HandlerInfo {
+        target: B::TARGET,
+        stage,
+        traits: B::TRAITS.0,
+        creates_state: None,
+    }
+}
+
+unsafe extern "C" fn instantiate_entry<B: Instantiate>(
+    frame: *mut sys::XLA_FFI_CallFrame,
+) -> *mut sys::XLA_FFI_Error
+where
+    B::State: StateType,
+{
+    let info = HandlerInfo {
+        creates_state: Some(B::State::registration()),
+        ..info::<B>(Stage::Instantiate)
+    };
+    // SAFETY: XLA calls this entry with a call frame (the trampoline validates it).
+    unsafe {
+        handle(frame, &info, |frame| {
+            let attrs = frame.decode_attrs::<B::Attrs<'_>>()?;
+            let state = B::instantiate(frame.context(), attrs)?;
+            frame.context().set_state(state)
+        })
+    }
+}
+
+unsafe extern "C" fn prepare_entry<B: Prepare>(
+    frame: *mut sys::XLA_FFI_CallFrame,
+) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA calls this entry with a call frame (the trampoline validates it).
+    unsafe {
+        handle(frame, &info::<B>(Stage::Prepare), |frame| {
+            let attrs = frame.decode_attrs::<B::Attrs<'_>>()?;
+            let state = B::State::fetch(frame.context())?;
+            B::prepare(state, frame.context(), attrs)
+        })
+    }
+}
+
+unsafe extern "C" fn initialize_entry<B: Initialize>(
+    frame: *mut sys::XLA_FFI_CallFrame,
+) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA calls this entry with a call frame (the trampoline validates it).
+    unsafe {
+        handle(frame, &info::<B>(Stage::Initialize), |frame| {
+            let attrs = frame.decode_attrs::<B::Attrs<'_>>()?;
+            let state = B::State::fetch(frame.context())?;
+            B::initialize(state, frame.context(), attrs)
+        })
+    }
+}
+
+unsafe extern "C" fn execute_entry<B: Execute>(
+    frame: *mut sys::XLA_FFI_CallFrame,
+) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA calls this entry with a call frame (the trampoline validates it).
+    unsafe {
+        handle(frame, &info::<B>(Stage::Execute), |frame| {
+            let (args, rets, attrs) =
+                frame.decode_all::<B::Args<'_>, B::Rets<'_>, B::Attrs<'_>>()?;
+            let state = B::State::fetch(frame.context())?;
+            B::execute(state, frame.context(), args, rets, attrs)
+        })
+    }
+}
+
+/// A bundle ready to register: its target, traits, state type and stage handlers.
+#[derive(Clone, Copy)]
+pub struct BundleDef {
+    pub target: &'static str,
+    pub traits: Traits,
+    /// The state type, which must be registered with XLA before the bundle.
+    pub state: fn() -> Option<&'static StateTypeRegistration>,
+    pub handlers: sys::XLA_FFI_Handler_Bundle,
+}
+
+impl BundleDef {
+    /// Starts the declaration of `B`'s bundle.
+    pub const fn of<B: Bundle>() -> BundleBuilder<B> {
+        BundleBuilder {
+            handlers: sys::XLA_FFI_Handler_Bundle {
+                instantiate: None,
+                prepare: None,
+                initialize: None,
+                execute: None,
+            },
+            _bundle: PhantomData,
+        }
+    }
+
+    /// The stages this bundle defines, with their handlers.
+    pub fn stages(&self) -> Vec<(Stage, sys::XLA_FFI_Handler)> {
+        let h = &self.handlers;
+        [
+            (Stage::Instantiate, h.instantiate),
+            (Stage::Prepare, h.prepare),
+            (Stage::Initialize, h.initialize),
+            (Stage::Execute, h.execute),
+        ]
+        .into_iter()
+        .filter_map(|(stage, handler)| handler.map(|f| (stage, f)))
+        .collect()
+    }
+
+    /// The handler of one stage.
+    pub fn handler(&self, stage: Stage) -> Option<sys::XLA_FFI_Handler> {
+        self.stages()
+            .into_iter()
+            .find(|(s, _)| *s == stage)
+            .map(|(_, f)| f)
+    }
+}
+
+/// Collects the stages of `B`; each method exists only if `B` implements that stage.
+pub struct BundleBuilder<B: Bundle> {
+    handlers: sys::XLA_FFI_Handler_Bundle,
+    _bundle: PhantomData<B>,
+}
+
+impl<B: Instantiate> BundleBuilder<B>
+where
+    B::State: StateType,
+{
+    pub const fn instantiate(mut self) -> Self {
+        self.handlers.instantiate = Some(instantiate_entry::<B>);
+        self
+    }
+}
+
+impl<B: Prepare> BundleBuilder<B> {
+    pub const fn prepare(mut self) -> Self {
+        self.handlers.prepare = Some(prepare_entry::<B>);
+        self
+    }
+}
+
+impl<B: Initialize> BundleBuilder<B> {
+    pub const fn initialize(mut self) -> Self {
+        self.handlers.initialize = Some(initialize_entry::<B>);
+        self
+    }
+}
+
+impl<B: Execute> BundleBuilder<B> {
+    pub const fn execute(mut self) -> Self {
+        self.handlers.execute = Some(execute_entry::<B>);
+        self
+    }
+}
+
+impl<B: Bundle> BundleBuilder<B> {
+    /// Finishes the declaration. A stateful bundle must have an instantiate stage (it is the
+    /// only stage that makes the state) and every bundle an execute stage (XLA requires one);
+    /// both are checked at compile time when the declaration is a `const`.
+    pub const fn build(self) -> BundleDef {
+        assert!(
+            self.handlers.execute.is_some(),
+            "a bundle needs an execute stage"
+        );
+        BundleDef {
+            target: B::TARGET,
+            traits: B::TRAITS,
+            state: B::State::state_registration,
+            handlers: self.handlers,
+        }
+    }
+}
+
+/// Checks a declared bundle: a stateful one must define the stage that makes its state.
+pub fn check_bundle(def: &BundleDef) -> Result<(), String> {
+    if (def.state)().is_some() && def.handlers.instantiate.is_none() {
+        return Err(format!(
+            "bundle `{}` has a state type but no instantiate stage to make it",
+            def.target
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! The execution context: state, stream, device, XLA's thread pool, device memory, run id.
+//!
+//! A [`Context`] is valid for one handler call (`'a`). Everything it returns that outlives the
+//! call (the state) is owned by XLA, not by the context.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::ptr::{self, NonNull};
+
+use super::api::{api_fn, Api};
+use super::error::{FfiError, FfiResult};
+use super::sys;
+use super::trampoline;
+use super::types::StateType;
+
+/// The four execution stages of a handler bundle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stage {
+    Instantiate,
+    Prepare,
+    Initialize,
+    Execute,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 4] = [
+        Stage::Instantiate,
+        Stage::Prepare,
+        Stage::Initialize,
+        Stage::Execute,
+    ];
+
+    pub fn to_raw(self) -> sys::XLA_FFI_ExecutionStage {
+        match self {
+            Stage::Instantiate => sys::XLA_FFI_ExecutionStage::INSTANTIATE,
+            Stage::Prepare => sys::XLA_FFI_ExecutionStage::PREPARE,
+            Stage::Initialize => sys::XLA_FFI_ExecutionStage::INITIALIZE,
+            Stage::Execute => sys::XLA_FFI_ExecutionStage::EXECUTE,
+        }
+    }
+
+    pub fn from_raw(raw: sys::XLA_FFI_ExecutionStage) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| s.to_raw() == raw)
+    }
+
+    /// The name JAX uses for the stage in `register_ffi_target`'s dict.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Instantiate => "instantiate",
+            Stage::Prepare => "prepare",
+            Stage::Initialize => "initialize",
+            Stage::Execute => "execute",
+        }
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A platform stream (`CUstream` on CUDA), never dereferenced by this crate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(*mut c_void);
+
+impl Stream {
+    pub fn as_raw(&self) -> *mut c_void {
+        self.0
+    }
+}
+
+/// The context of one handler call.
+#[derive(Clone, Copy)]
+pub struct Context<'a> {
+    api: Api<'a>,
+    ctx: *mut sys::XLA_FFI_ExecutionContext,
+    stage: Stage,
+}
+
+impl<'a> Context<'a> {
+    pub(crate) fn new(api: Api<'a>, ctx: *mut sys::XLA_FFI_ExecutionContext, stage: Stage) -> Self {
+        Context { api, ctx, stage }
+    }
+
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    pub fn api(&self) -> Api<'a> {
+        self.api
+    }
+
+    fn require_ctx(&self, what: &str) -> FfiResult<()> {
+        if self.ctx.is_null() {
+            return Err(FfiError::internal(format!(
+                "cannot get {what}: the call has no context"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The state made by this call site's instantiate stage.
+    pub fn state<T: StateType>(&self) -> FfiResult<&'a T> {
+        self.require_ctx("the state")?;
+        let registration = T::registration();
+        if registration.type_id() == 0 {
+            return Err(FfiError::failed_precondition(format!(
+                "state type `{}` is not registered with XLA",
+                registration.name()
+            )));
+        }
+        let get = api_fn!(self.api, XLA_FFI_State_Get)?;
+        let mut args = sys::XLA_FFI_State_Get_Args {
+            struct_size: sys::XLA_FFI_State_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            stage: Stage::Instantiate.to_raw(),
+            type_id: registration.type_id_ptr(),
+            state: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call; `ctx` is this call's context.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_State_Get", err)?;
+        let state = NonNull::new(args.state.cast::<T>()).ok_or_else(|| {
+            FfiError::failed_precondition(format!(
+                "no `{}` state: the instantiate stage did not run for this call site",
+                registration.name()
+            ))
+        })?;
+        // SAFETY: XLA checked that the state was stored with `T`'s type id, so it is the
+        // `Box<T>` our instantiate stage handed over; XLA keeps it alive until the executable
+        // (and so every call of it) is gone, and we only ever share it.
+        Ok(unsafe { &*state.as_ptr() })
+    }
+
+    /// Hands `state` to XLA for this call site; XLA drops it with the executable.
+    pub(crate) fn set_state<T: StateType>(&self, state: T) -> FfiResult<()> {
+        self.require_ctx("the state")?;
+        let registration = T::registration();
+        let set = api_fn!(self.api, XLA_FFI_State_Set)?;
+        let raw = Box::into_raw(Box::new(state));
+        let mut args = sys::XLA_FFI_State_Set_Args {
+            struct_size: sys::XLA_FFI_State_Set_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            stage: self.stage.to_raw(),
+            type_id: registration.type_id_ptr(),
+            state: raw.cast(),
+        };
+        // SAFETY: `args` is valid for the call; on success XLA owns `raw` and frees it through
+        // the type info's deleter.
+        let err = unsafe { set(&mut args) };
+        if !err.is_null() {
+            // SAFETY: XLA refused the state, so it is still ours; free it once.
+            drop(unsafe { Box::from_raw(raw) });
+        }
+        self.api.check("XLA_FFI_State_Set", err)
+    }
+
+    /// The platform stream of this call (GPU); an error on platforms without streams.
+    pub fn stream(&self) -> FfiResult<Stream> {
+        self.require_ctx("the stream")?;
+        let get = api_fn!(self.api, XLA_FFI_Stream_Get)?;
+        let mut args = sys::XLA_FFI_Stream_Get_Args {
+            struct_size: sys::XLA_FFI_Stream_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            stream: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_Stream_Get", err)?;
+        Ok(Stream(args.stream))
+    }
+
+    /// The ordinal of the device this call runs on.
+    pub fn device_ordinal(&self) -> FfiResult<i32> {
+        self.require_ctx("the device ordinal")?;
+        let get = api_fn!(self.api, XLA_FFI_DeviceOrdinal_Get)?;
+        let mut args = sys::XLA_FFI_DeviceOrdinal_Get_Args {
+            struct_size: sys::XLA_FFI_DeviceOrdinal_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            device_ordinal: -1,
+        };
+        // SAFETY: `args` is valid for the call.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_DeviceOrdinal_Get", err)?;
+        Ok(args.device_ordinal)
+    }
+
+    /// The id of the logical execution this call belongs to.
+    pub fn run_id(&self) -> FfiResult<i64> {
+        self.require_ctx("the run id")?;
+        let get = api_fn!(self.api, XLA_FFI_RunId_Get)?;
+        let mut args = sys::XLA_FFI_RunId_Get_Args {
+            struct_size: sys::XLA_FFI_RunId_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            run_id: 0,
+        };
+        // SAFETY: `args` is valid for the call.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_RunId_Get", err)?;
+        Ok(args.run_id)
+    }
+
+    /// The number of threads in XLA's intra-op thread pool (CPU).
+    pub fn num_threads(&self) -> FfiResult<i64> {
+        self.require_ctx("the thread pool")?;
+        let get = api_fn!(self.api, XLA_FFI_ThreadPool_NumThreads)?;
+        let mut num_threads: i64 = 0;
+        let mut args = sys::XLA_FFI_ThreadPool_NumThreads_Args {
+            struct_size: sys::XLA_FFI_ThreadPool_NumThreads_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            num_threads: &mut num_threads,
+        };
+        // SAFETY: `args` and `num_threads` are valid for the call.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_ThreadPool_NumThreads", err)?;
+        Ok(num_threads)
+    }
+
+    /// Runs `task` on XLA's intra-op thread pool (CPU). XLA may run it on any pool thread, in
+    /// any order, or on the calling thread; a caller that waits for it must not assume it runs
+    /// in parallel. A panic in the task is caught and reported on stderr.
+    pub fn schedule(&self, task: Box<dyn FnOnce() + Send + 'static>) -> FfiResult<()> {
+        let data = Box::into_raw(Box::new(task));
+        // SAFETY: `run_boxed_task` takes ownership of `data`, a `Box<Box<dyn FnOnce>>`.
+        let result = unsafe { self.schedule_raw(run_boxed_task, data.cast()) };
+        if result.is_err() {
+            // SAFETY: the pool refused the task, so `data` is still ours; free it once.
+            drop(unsafe { Box::from_raw(data) });
+        }
+        result
+    }
+
+    /// Schedules a raw task, for callers that keep their task data in preallocated storage.
+    ///
+    /// # Safety
+    /// `data` must stay valid until `task` has run, and `task(data)` must be safe to call once
+    /// from any thread. `task` must not unwind.
+    pub unsafe fn schedule_raw(&self, task: sys::XLA_FFI_Task, data: *mut c_void) -> FfiResult<()> {
+        self.require_ctx("the thread pool")?;
+        let schedule = api_fn!(self.api, XLA_FFI_ThreadPool_Schedule)?;
+        let mut args = sys::XLA_FFI_ThreadPool_Schedule_Args {
+            struct_size: sys::XLA_FFI_ThreadPool_Schedule_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            task: Some(task),
+            data,
+        };
+        // SAFETY: `args` is valid for the call; the caller vouches for `task` and `data`.
+        let err = unsafe { schedule(&mut args) };
+        self.api.check("XLA_FFI_ThreadPool_Schedule", err)
+    }
+
+    /// Allocates device memory bound to this call's device, freed when the value drops.
+    pub fn allocate(&self, size: usize, alignment: usize) -> FfiResult<DeviceMemory<'a>> {
+        self.require_ctx("device memory")?;
+        let allocate = api_fn!(self.api, XLA_FFI_DeviceMemory_Allocate)?;
+        let mut args = sys::XLA_FFI_DeviceMemory_Allocate_Args {
+            struct_size: sys::XLA_FFI_DeviceMemory_Allocate_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            size,
+            alignment,
+            data: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call.
+        let err = unsafe { allocate(&mut args) };
+        self.api.check("XLA_FFI_DeviceMemory_Allocate", err)?;
+        if args.data.is_null() && size > 0 {
+            return Err(FfiError::ResourceExhausted(format!(
+                "XLA returned no memory for an allocation of {size} bytes"
+            )));
+        }
+        Ok(DeviceMemory {
+            ctx: *self,
+            data: args.data,
+            size,
+        })
+    }
+}
+
+/// Device memory from [`Context::allocate`], returned to XLA on drop.
+pub struct DeviceMemory<'a> {
+    ctx: Context<'a>,
+    data: *mut c_void,
+    size: usize,
+}
+
+impl DeviceMemory<'_> {
+    /// The device address, never dereferenced by this crate.
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.data
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for DeviceMemory<'_> {
+    fn drop(&mut self) {
+        let Ok(free) = api_fn!(self.ctx.api, XLA_FFI_DeviceMemory_Free) else {
+            return;
+        };
+        let mut args = sys::XLA_FFI_DeviceMemory_Free_Args {
+            struct_size: sys::XLA_FFI_DeviceMemory_Free_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx.ctx,
+            size: self.size,
+            data: self.data,
+        };
+        // SAFETY: `data` was allocated by this context's allocator with `size` bytes and is
+        // freed once.
+        let err = unsafe { free(&mut args) };
+        if let Err(e) = self.ctx.api.check("XLA_FFI_DeviceMemory_Free", err) {
+            trampoline::report_unreturnable::<()>(Err(e));
+        }
+    }
+}
+
+/// The `XLA_FFI_Task` behind [`Context::schedule`].
+unsafe extern "C" fn run_boxed_task(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<Box<dyn FnOnce>>` that `schedule` leaked; XLA runs each task
+    // once.
+    let task = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send + 'static>>()) };
+    let result = trampoline::catch(
+        || "a task on XLA's thread pool".to_string(),
+        move || {
+            task();
+            Ok(())
+        },
+    );
+    trampoline::report_unreturnable(result);
+}

@@ -1,0 +1,795 @@
+//! A fake XLA runtime for unit tests and fuzzing: an `XLA_FFI_Api` table implemented in Rust,
+//! an execution context that keeps state like XLA does, and a builder for call frames.
+//!
+//! It is never a substitute for the real runtime (the Python tests run real jaxlib); it lets the
+//! Rust tests build frames that XLA would never send — wrong struct sizes, counts, dtypes,
+//! ranks, null pointers — and check that decoding reports them instead of misbehaving.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::ptr;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+
+use super::dtype::DataType;
+use super::error::ErrorCode;
+use super::sys::{self, *};
+use super::types::StateTypeRegistration;
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+struct FakeError {
+    code: ErrorCode,
+    message: CString,
+}
+
+unsafe extern "C" fn error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the caller passes valid args with a NUL-terminated message.
+    let args = unsafe { &*args };
+    let message = if args.message.is_null() {
+        CString::default()
+    } else {
+        // SAFETY: as above.
+        unsafe { CStr::from_ptr(args.message) }.to_owned()
+    };
+    Box::into_raw(Box::new(FakeError {
+        code: super::error::ErrorCode::from_raw(args.errc),
+        message,
+    }))
+    .cast()
+}
+
+unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
+    // SAFETY: the caller passes valid args and an error made by `error_create`.
+    unsafe { (*args).message = (*(*args).error.cast::<FakeError>()).message.as_ptr() };
+}
+
+unsafe extern "C" fn error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
+    // SAFETY: the error was made by `error_create` and is destroyed once.
+    drop(unsafe { Box::from_raw((*args).error.cast::<FakeError>()) });
+}
+
+/// Takes ownership of an error returned by a handler: `Ok` for null, else code and message.
+pub fn take_result(error: *mut XLA_FFI_Error) -> Result<(), (ErrorCode, String)> {
+    if error.is_null() {
+        return Ok(());
+    }
+    // SAFETY: handlers return errors made by this runtime's `error_create`.
+    let error = unsafe { Box::from_raw(error.cast::<FakeError>()) };
+    Err((error.code, error.message.to_string_lossy().into_owned()))
+}
+
+fn make_error(code: ErrorCode, message: &str) -> *mut XLA_FFI_Error {
+    let message = CString::new(message).unwrap_or_default();
+    let mut args = XLA_FFI_Error_Create_Args {
+        struct_size: XLA_FFI_Error_Create_Args::STRUCT_SIZE,
+        extension_start: ptr::null_mut(),
+        message: message.as_ptr(),
+        errc: code.to_raw(),
+    };
+    // SAFETY: valid args.
+    unsafe { error_create(&mut args) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Types and state
+// ---------------------------------------------------------------------------------------------
+
+static NEXT_TYPE_ID: AtomicI64 = AtomicI64::new(1000);
+/// Type id -> deleter, like XLA's process-wide type registry.
+static TYPES: Lazy<Mutex<HashMap<i64, (String, usize)>>> = Lazy::new(Default::default);
+
+unsafe extern "C" fn type_register(args: *mut XLA_FFI_Type_Register_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the caller passes valid args.
+    let args = unsafe { &*args };
+    // SAFETY: the name span is readable.
+    let name = unsafe { std::slice::from_raw_parts(args.name.ptr.cast::<u8>(), args.name.len) };
+    let name = String::from_utf8_lossy(name).into_owned();
+    let mut types = TYPES.lock();
+    if let Some((&id, _)) = types.iter().find(|(_, (n, _))| *n == name) {
+        // SAFETY: `type_id` is a valid in-out pointer.
+        unsafe { (*args.type_id).type_id = id };
+        return ptr::null_mut();
+    }
+    let id = NEXT_TYPE_ID.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: as above.
+    unsafe { (*args.type_id).type_id = id };
+    types.insert(id, (name, args.type_info as usize));
+    ptr::null_mut()
+}
+
+/// Registers a state type with the fake runtime, as `jax.ffi.register_ffi_type` would.
+pub fn register_type(registration: &StateTypeRegistration) {
+    let name = registration.name();
+    let mut args = XLA_FFI_Type_Register_Args {
+        struct_size: XLA_FFI_Type_Register_Args::STRUCT_SIZE,
+        extension_start: ptr::null_mut(),
+        name: XLA_FFI_ByteSpan {
+            ptr: name.as_ptr().cast(),
+            len: name.len(),
+        },
+        type_id: registration.type_id_ptr(),
+        type_info: registration.type_info_ptr(),
+    };
+    // SAFETY: valid args pointing to static data.
+    let err = unsafe { type_register(&mut args) };
+    assert!(err.is_null());
+}
+
+/// An execution context: states per stage, device facts, and outstanding device memory.
+pub struct FakeContext {
+    states: Mutex<HashMap<i32, (i64, usize)>>,
+    pub num_threads: i64,
+    pub device_ordinal: i32,
+    pub run_id: i64,
+    /// `None`: the platform has no stream (CPU), and Stream_Get fails.
+    pub stream: Option<usize>,
+    /// Run scheduled tasks on the calling thread instead of a new thread.
+    pub inline_tasks: bool,
+    allocations: Mutex<HashMap<usize, Vec<u64>>>,
+}
+
+impl Default for FakeContext {
+    fn default() -> Self {
+        FakeContext {
+            states: Mutex::default(),
+            num_threads: 4,
+            device_ordinal: 0,
+            run_id: 42,
+            stream: None,
+            inline_tasks: false,
+            allocations: Mutex::default(),
+        }
+    }
+}
+
+impl FakeContext {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn as_raw(&self) -> *mut XLA_FFI_ExecutionContext {
+        (self as *const FakeContext).cast_mut().cast()
+    }
+
+    /// Device memory allocated and not yet freed.
+    pub fn outstanding_allocations(&self) -> usize {
+        self.allocations.lock().len()
+    }
+
+    /// Number of states held.
+    pub fn state_count(&self) -> usize {
+        self.states.lock().len()
+    }
+}
+
+impl Drop for FakeContext {
+    /// Deletes the states with their type's deleter, as XLA does when an executable dies.
+    fn drop(&mut self) {
+        let states: Vec<(i64, usize)> = self.states.lock().drain().map(|(_, v)| v).collect();
+        for (type_id, state) in states {
+            let info = TYPES.lock().get(&type_id).map(|(_, info)| *info);
+            if let Some(info) = info {
+                // SAFETY: registered type infos point to static `XLA_FFI_TypeInfo`s.
+                let info = unsafe { &*(info as *const XLA_FFI_TypeInfo) };
+                if let Some(deleter) = info.deleter {
+                    // SAFETY: `state` was set with this type id and is deleted once.
+                    unsafe { deleter(state as *mut c_void) };
+                }
+            }
+        }
+    }
+}
+
+/// # Safety
+/// `ctx` must be a `FakeContext` made by this module.
+unsafe fn fake_ctx<'a>(ctx: *mut XLA_FFI_ExecutionContext) -> Option<&'a FakeContext> {
+    // SAFETY: per the contract.
+    unsafe { ctx.cast::<FakeContext>().as_ref() }
+}
+
+unsafe extern "C" fn state_set(args: *mut XLA_FFI_State_Set_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args from the FFI layer; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&*args, fake_ctx((*args).ctx)) };
+    let Some(ctx) = ctx else {
+        return make_error(ErrorCode::Internal, "no context");
+    };
+    // SAFETY: `type_id` is a valid pointer.
+    let type_id = unsafe { (*args.type_id).type_id };
+    if !TYPES.lock().contains_key(&type_id) {
+        return make_error(ErrorCode::InvalidArgument, "type id not registered");
+    }
+    let mut states = ctx.states.lock();
+    if states.contains_key(&args.stage.0) {
+        return make_error(ErrorCode::AlreadyExists, "state already set");
+    }
+    states.insert(args.stage.0, (type_id, args.state as usize));
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn state_get(args: *mut XLA_FFI_State_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args from the FFI layer; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    let Some(ctx) = ctx else {
+        return make_error(ErrorCode::Internal, "no context");
+    };
+    // SAFETY: `type_id` is a valid pointer.
+    let type_id = unsafe { (*args.type_id).type_id };
+    match ctx.states.lock().get(&args.stage.0) {
+        None => make_error(ErrorCode::NotFound, "state is not set"),
+        Some((t, _)) if *t != type_id => {
+            make_error(ErrorCode::InvalidArgument, "state type mismatch")
+        }
+        Some((_, state)) => {
+            args.state = *state as *mut c_void;
+            ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn stream_get(args: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    match ctx.and_then(|c| c.stream) {
+        Some(stream) => {
+            args.stream = stream as *mut c_void;
+            ptr::null_mut()
+        }
+        None => make_error(ErrorCode::Unimplemented, "no stream on this platform"),
+    }
+}
+
+unsafe extern "C" fn device_ordinal_get(
+    args: *mut XLA_FFI_DeviceOrdinal_Get_Args,
+) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    args.device_ordinal = ctx.map_or(-1, |c| c.device_ordinal);
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn run_id_get(args: *mut XLA_FFI_RunId_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    args.run_id = ctx.map_or(0, |c| c.run_id);
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn num_threads(
+    args: *mut XLA_FFI_ThreadPool_NumThreads_Args,
+) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext; `num_threads` is writable.
+    unsafe {
+        let ctx = fake_ctx((*args).ctx);
+        *(*args).num_threads = ctx.map_or(0, |c| c.num_threads);
+    }
+    ptr::null_mut()
+}
+
+struct SendPtr(*mut c_void);
+// SAFETY: the task contract says `data` may be used from any thread.
+unsafe impl Send for SendPtr {}
+
+unsafe extern "C" fn schedule(args: *mut XLA_FFI_ThreadPool_Schedule_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&*args, fake_ctx((*args).ctx)) };
+    let Some(task) = args.task else {
+        return make_error(ErrorCode::InvalidArgument, "null task");
+    };
+    let data = SendPtr(args.data);
+    if ctx.is_some_and(|c| c.inline_tasks) {
+        // SAFETY: the caller vouches that the task may run now.
+        unsafe { task(data.0) };
+    } else {
+        std::thread::spawn(move || {
+            let data = data;
+            // SAFETY: the caller vouches that the task may run on any thread.
+            unsafe { task(data.0) }
+        });
+    }
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn allocate(args: *mut XLA_FFI_DeviceMemory_Allocate_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    let Some(ctx) = ctx else {
+        return make_error(ErrorCode::Internal, "no context");
+    };
+    if args.alignment > 8 {
+        return make_error(
+            ErrorCode::InvalidArgument,
+            "fake allocator aligns to 8 bytes at most",
+        );
+    }
+    let memory = vec![0u64; args.size.div_ceil(8).max(1)];
+    args.data = memory.as_ptr() as *mut c_void;
+    ctx.allocations.lock().insert(args.data as usize, memory);
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn free(args: *mut XLA_FFI_DeviceMemory_Free_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&*args, fake_ctx((*args).ctx)) };
+    match ctx.and_then(|c| c.allocations.lock().remove(&(args.data as usize))) {
+        Some(_) => ptr::null_mut(),
+        None => make_error(ErrorCode::InvalidArgument, "free of unknown memory"),
+    }
+}
+
+unsafe extern "C" fn unsupported_future(
+    _args: *mut XLA_FFI_Future_Create_Args,
+) -> *mut XLA_FFI_Error {
+    make_error(ErrorCode::Unimplemented, "the fake runtime has no futures")
+}
+
+unsafe extern "C" fn unsupported_ctx_get(
+    _args: *mut XLA_FFI_ExecutionContext_Get_Args,
+) -> *mut XLA_FFI_Error {
+    make_error(ErrorCode::NotFound, "the fake runtime has no user data")
+}
+
+unsafe extern "C" fn unsupported_register(
+    _args: *mut XLA_FFI_Handler_Register_Args,
+) -> *mut XLA_FFI_Error {
+    make_error(
+        ErrorCode::Unimplemented,
+        "the fake runtime does not register handlers",
+    )
+}
+
+struct SyncApi(XLA_FFI_Api);
+// SAFETY: the table is immutable after construction.
+unsafe impl Sync for SyncApi {}
+// SAFETY: as above.
+unsafe impl Send for SyncApi {}
+
+fn build_api() -> XLA_FFI_Api {
+    XLA_FFI_Api {
+        struct_size: XLA_FFI_Api::STRUCT_SIZE,
+        extension_start: ptr::null_mut(),
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            major_version: XLA_FFI_API_MAJOR,
+            minor_version: XLA_FFI_API_MINOR,
+        },
+        internal_api: ptr::null(),
+        XLA_FFI_Error_Create: Some(error_create),
+        XLA_FFI_Error_GetMessage: Some(error_get_message),
+        XLA_FFI_Error_Destroy: Some(error_destroy),
+        XLA_FFI_Handler_Register: Some(unsupported_register),
+        XLA_FFI_Stream_Get: Some(stream_get),
+        XLA_FFI_Type_Register: Some(type_register),
+        XLA_FFI_ExecutionContext_Get: Some(unsupported_ctx_get),
+        XLA_FFI_State_Set: Some(state_set),
+        XLA_FFI_State_Get: Some(state_get),
+        XLA_FFI_DeviceMemory_Allocate: Some(allocate),
+        XLA_FFI_DeviceMemory_Free: Some(free),
+        XLA_FFI_ThreadPool_Schedule: Some(schedule),
+        XLA_FFI_ThreadPool_NumThreads: Some(num_threads),
+        XLA_FFI_Future_Create: Some(unsupported_future),
+        XLA_FFI_Future_SetAvailable: None,
+        XLA_FFI_Future_SetError: None,
+        XLA_FFI_RunId_Get: Some(run_id_get),
+        XLA_FFI_DeviceOrdinal_Get: Some(device_ordinal_get),
+    }
+}
+
+static API: Lazy<SyncApi> = Lazy::new(|| SyncApi(build_api()));
+
+/// The fake API table.
+pub fn api() -> *const XLA_FFI_Api {
+    &API.0
+}
+
+/// A copy of the table that declares only `struct_size` bytes (an older runtime).
+pub fn api_with_size(struct_size: usize) -> *const XLA_FFI_Api {
+    let mut table = build_api();
+    table.struct_size = struct_size;
+    let leaked: &'static SyncApi = Box::leak(Box::new(SyncApi(table)));
+    &leaked.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Call frames
+// ---------------------------------------------------------------------------------------------
+
+/// A buffer owned by a test: 8-byte aligned data, dims and dtype.
+#[derive(Debug, Clone)]
+pub struct OwnedBuffer {
+    pub dtype: XLA_FFI_DataType,
+    pub dims: Vec<i64>,
+    pub data: Vec<u64>,
+    /// Bytes of valid data in `data`.
+    pub bytes: usize,
+}
+
+impl OwnedBuffer {
+    /// A buffer holding `values` with shape `dims`.
+    pub fn from_values<T: super::NativeType>(dims: &[i64], values: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(values);
+        let mut data = vec![0u64; bytes.div_ceil(8)];
+        // SAFETY: `data` has at least `bytes` bytes; `values` is plain data.
+        unsafe {
+            ptr::copy_nonoverlapping(
+                values.as_ptr().cast::<u8>(),
+                data.as_mut_ptr().cast::<u8>(),
+                bytes,
+            )
+        };
+        OwnedBuffer {
+            dtype: T::DTYPE.to_raw(),
+            dims: dims.to_vec(),
+            data,
+            bytes,
+        }
+    }
+
+    /// A zeroed buffer of `dtype` and `dims` (for results).
+    pub fn zeros(dtype: DataType, dims: &[i64]) -> Self {
+        let count: usize = dims.iter().map(|&d| d.max(0) as usize).product();
+        let bytes = dtype.bytes_for(count).unwrap_or(0);
+        OwnedBuffer {
+            dtype: dtype.to_raw(),
+            dims: dims.to_vec(),
+            data: vec![0u64; bytes.div_ceil(8)],
+            bytes,
+        }
+    }
+
+    /// The contents as `T`s.
+    pub fn values<T: super::NativeType>(&self) -> Vec<T> {
+        let n = self.bytes / std::mem::size_of::<T>();
+        // SAFETY: `data` holds at least `bytes` bytes, aligned to 8; `T` is plain data.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<T>(), n) }.to_vec()
+    }
+}
+
+/// An attribute value owned by a test.
+#[derive(Debug, Clone)]
+pub enum OwnedAttr {
+    /// A scalar: dtype and its bytes.
+    Scalar(XLA_FFI_DataType, Vec<u8>),
+    /// A dense array: dtype, element count, bytes.
+    Array(XLA_FFI_DataType, usize, Vec<u8>),
+    String(Vec<u8>),
+    Dict(Vec<(String, OwnedAttr)>),
+}
+
+impl OwnedAttr {
+    pub fn scalar<T: super::NativeType>(value: T) -> Self {
+        OwnedAttr::Scalar(T::DTYPE.to_raw(), bytes_of(std::slice::from_ref(&value)))
+    }
+    pub fn pred(value: bool) -> Self {
+        OwnedAttr::Scalar(XLA_FFI_DataType::PRED, vec![value as u8])
+    }
+    pub fn array<T: super::NativeType>(values: &[T]) -> Self {
+        OwnedAttr::Array(T::DTYPE.to_raw(), values.len(), bytes_of(values))
+    }
+    pub fn string(value: &str) -> Self {
+        OwnedAttr::String(value.as_bytes().to_vec())
+    }
+}
+
+fn bytes_of<T: Copy>(values: &[T]) -> Vec<u8> {
+    // SAFETY: reading the bytes of plain data.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+    .to_vec()
+}
+
+fn aligned(bytes: &[u8]) -> Vec<u64> {
+    let mut data = vec![0u64; bytes.len().div_ceil(8).max(1)];
+    // SAFETY: `data` has room for `bytes`.
+    unsafe {
+        ptr::copy_nonoverlapping(bytes.as_ptr(), data.as_mut_ptr().cast::<u8>(), bytes.len())
+    };
+    data
+}
+
+enum AttrStorage {
+    Scalar(XLA_FFI_Scalar, Vec<u64>),
+    Array(XLA_FFI_Array, Vec<u64>),
+    String(XLA_FFI_ByteSpan, Vec<u8>),
+    Dict(BuiltAttrs),
+}
+
+/// An attribute list with stable addresses. Entries are boxed so that pointers into them stay
+/// valid while the vectors grow.
+#[allow(clippy::vec_box)]
+pub struct BuiltAttrs {
+    pub raw: Box<XLA_FFI_Attrs>,
+    pub types: Vec<XLA_FFI_AttrType>,
+    _names: Vec<Box<(XLA_FFI_ByteSpan, Vec<u8>)>>,
+    pub name_ptrs: Vec<*mut XLA_FFI_ByteSpan>,
+    _values: Vec<Box<AttrStorage>>,
+    pub value_ptrs: Vec<*mut c_void>,
+}
+
+impl BuiltAttrs {
+    /// Lays out `attrs` as XLA does: sorted by name.
+    pub fn new(attrs: &[(String, OwnedAttr)]) -> Self {
+        let mut sorted: Vec<&(String, OwnedAttr)> = attrs.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut names = Vec::new();
+        let mut name_ptrs = Vec::new();
+        let mut types = Vec::new();
+        let mut values = Vec::new();
+        let mut value_ptrs = Vec::new();
+        for (name, value) in sorted {
+            let bytes = name.as_bytes().to_vec();
+            let mut entry = Box::new((
+                XLA_FFI_ByteSpan {
+                    ptr: ptr::null(),
+                    len: bytes.len(),
+                },
+                bytes,
+            ));
+            entry.0.ptr = entry.1.as_ptr().cast();
+            name_ptrs.push(&mut entry.0 as *mut XLA_FFI_ByteSpan);
+            names.push(entry);
+            let (ty, mut storage) = match value {
+                OwnedAttr::Scalar(dtype, bytes) => (
+                    XLA_FFI_AttrType::SCALAR,
+                    Box::new(AttrStorage::Scalar(
+                        XLA_FFI_Scalar {
+                            dtype: *dtype,
+                            value: ptr::null_mut(),
+                        },
+                        aligned(bytes),
+                    )),
+                ),
+                OwnedAttr::Array(dtype, len, bytes) => (
+                    XLA_FFI_AttrType::ARRAY,
+                    Box::new(AttrStorage::Array(
+                        XLA_FFI_Array {
+                            dtype: *dtype,
+                            size: *len,
+                            data: ptr::null_mut(),
+                        },
+                        aligned(bytes),
+                    )),
+                ),
+                OwnedAttr::String(bytes) => (
+                    XLA_FFI_AttrType::STRING,
+                    Box::new(AttrStorage::String(
+                        XLA_FFI_ByteSpan {
+                            ptr: ptr::null(),
+                            len: bytes.len(),
+                        },
+                        bytes.clone(),
+                    )),
+                ),
+                OwnedAttr::Dict(entries) => (
+                    XLA_FFI_AttrType::DICTIONARY,
+                    Box::new(AttrStorage::Dict(BuiltAttrs::new(entries))),
+                ),
+            };
+            let pointer: *mut c_void = match storage.as_mut() {
+                AttrStorage::Scalar(raw, data) => {
+                    raw.value = data.as_mut_ptr().cast();
+                    (raw as *mut XLA_FFI_Scalar).cast()
+                }
+                AttrStorage::Array(raw, data) => {
+                    raw.data = data.as_mut_ptr().cast();
+                    (raw as *mut XLA_FFI_Array).cast()
+                }
+                AttrStorage::String(raw, data) => {
+                    raw.ptr = data.as_ptr().cast();
+                    (raw as *mut XLA_FFI_ByteSpan).cast()
+                }
+                AttrStorage::Dict(built) => (built.raw.as_mut() as *mut XLA_FFI_Attrs).cast(),
+            };
+            types.push(ty);
+            values.push(storage);
+            value_ptrs.push(pointer);
+        }
+        let mut built = BuiltAttrs {
+            raw: Box::new(XLA_FFI_Attrs {
+                struct_size: XLA_FFI_Attrs::STRUCT_SIZE,
+                extension_start: ptr::null_mut(),
+                size: types.len() as i64,
+                types: ptr::null_mut(),
+                names: ptr::null_mut(),
+                attrs: ptr::null_mut(),
+            }),
+            types,
+            _names: names,
+            name_ptrs,
+            _values: values,
+            value_ptrs,
+        };
+        built.raw.types = built.types.as_mut_ptr();
+        built.raw.names = built.name_ptrs.as_mut_ptr();
+        built.raw.attrs = built.value_ptrs.as_mut_ptr();
+        built
+    }
+}
+
+/// Buffers laid out as an argument or result list.
+pub struct BuiltBuffers {
+    pub owned: Vec<OwnedBuffer>,
+    pub raw: Vec<Box<XLA_FFI_Buffer>>,
+    pub types: Vec<i32>,
+    pub ptrs: Vec<*mut c_void>,
+}
+
+impl BuiltBuffers {
+    fn new(mut owned: Vec<OwnedBuffer>) -> Self {
+        let mut raw = Vec::new();
+        let mut ptrs = Vec::new();
+        for b in owned.iter_mut() {
+            let mut buffer = Box::new(XLA_FFI_Buffer {
+                struct_size: XLA_FFI_Buffer::STRUCT_SIZE,
+                extension_start: ptr::null_mut(),
+                dtype: b.dtype,
+                data: b.data.as_mut_ptr().cast(),
+                rank: b.dims.len() as i64,
+                dims: b.dims.as_mut_ptr(),
+            });
+            ptrs.push((buffer.as_mut() as *mut XLA_FFI_Buffer).cast());
+            raw.push(buffer);
+        }
+        let types = vec![1; owned.len()];
+        BuiltBuffers {
+            owned,
+            raw,
+            types,
+            ptrs,
+        }
+    }
+}
+
+/// A complete call frame with all its storage. Tests may edit `frame` and the raw parts
+/// before calling, to present malformed input.
+pub struct BuiltFrame {
+    pub frame: Box<XLA_FFI_CallFrame>,
+    pub args: BuiltBuffers,
+    pub rets: BuiltBuffers,
+    pub attrs: BuiltAttrs,
+    pub metadata: Option<Box<(XLA_FFI_Metadata_Extension, XLA_FFI_Metadata)>>,
+}
+
+impl BuiltFrame {
+    /// Calls `handler` with this frame.
+    pub fn call(&mut self, handler: XLA_FFI_Handler) -> Result<(), (ErrorCode, String)> {
+        // SAFETY: the frame and all it points to are alive and laid out as XLA does (or as
+        // deliberately broken by the test, which the handler must survive).
+        take_result(unsafe { handler(self.frame.as_mut()) })
+    }
+
+    /// The `index`th result after the call.
+    pub fn result(&self, index: usize) -> &OwnedBuffer {
+        &self.rets.owned[index]
+    }
+
+    /// The metadata the handler filled in (metadata frames only).
+    pub fn metadata(&self) -> Option<&XLA_FFI_Metadata> {
+        self.metadata.as_ref().map(|m| &m.1)
+    }
+}
+
+/// Builds call frames for the fake runtime.
+pub struct FrameBuilder {
+    stage: sys::XLA_FFI_ExecutionStage,
+    args: Vec<OwnedBuffer>,
+    rets: Vec<OwnedBuffer>,
+    attrs: Vec<(String, OwnedAttr)>,
+    metadata: bool,
+    api: *const XLA_FFI_Api,
+}
+
+impl FrameBuilder {
+    pub fn new(stage: super::Stage) -> Self {
+        FrameBuilder {
+            stage: stage.to_raw(),
+            args: Vec::new(),
+            rets: Vec::new(),
+            attrs: Vec::new(),
+            metadata: false,
+            api: api(),
+        }
+    }
+
+    /// A frame carrying the metadata extension, as XLA sends at registration.
+    pub fn metadata() -> Self {
+        let mut b = FrameBuilder::new(super::Stage::Execute);
+        b.metadata = true;
+        b
+    }
+
+    pub fn arg(mut self, buffer: OwnedBuffer) -> Self {
+        self.args.push(buffer);
+        self
+    }
+
+    pub fn ret(mut self, buffer: OwnedBuffer) -> Self {
+        self.rets.push(buffer);
+        self
+    }
+
+    pub fn attr(mut self, name: &str, value: OwnedAttr) -> Self {
+        self.attrs.push((name.to_string(), value));
+        self
+    }
+
+    pub fn api(mut self, api: *const XLA_FFI_Api) -> Self {
+        self.api = api;
+        self
+    }
+
+    pub fn build(self, ctx: &FakeContext) -> BuiltFrame {
+        let mut args = BuiltBuffers::new(self.args);
+        let mut rets = BuiltBuffers::new(self.rets);
+        let mut attrs = BuiltAttrs::new(&self.attrs);
+        let mut metadata = self.metadata.then(|| {
+            Box::new((
+                XLA_FFI_Metadata_Extension {
+                    extension_base: XLA_FFI_Extension_Base {
+                        struct_size: XLA_FFI_Metadata_Extension::STRUCT_SIZE,
+                        r#type: XLA_FFI_Extension_Type::Metadata,
+                        next: ptr::null_mut(),
+                    },
+                    metadata: ptr::null_mut(),
+                },
+                XLA_FFI_Metadata {
+                    struct_size: XLA_FFI_Metadata::STRUCT_SIZE,
+                    api_version: XLA_FFI_Api_Version {
+                        struct_size: XLA_FFI_Api_Version::STRUCT_SIZE,
+                        extension_start: ptr::null_mut(),
+                        major_version: -1,
+                        minor_version: -1,
+                    },
+                    traits: 0xdead,
+                    state_type_id: XLA_FFI_TypeId { type_id: -1 },
+                },
+            ))
+        });
+        let extension_start = match metadata.as_mut() {
+            Some(m) => {
+                m.0.metadata = &mut m.1;
+                (&mut m.0 as *mut XLA_FFI_Metadata_Extension).cast()
+            }
+            None => ptr::null_mut(),
+        };
+        let frame = Box::new(XLA_FFI_CallFrame {
+            struct_size: XLA_FFI_CallFrame::STRUCT_SIZE,
+            extension_start,
+            api: self.api,
+            ctx: ctx.as_raw(),
+            stage: self.stage,
+            args: XLA_FFI_Args {
+                struct_size: XLA_FFI_Args::STRUCT_SIZE,
+                extension_start: ptr::null_mut(),
+                size: args.ptrs.len() as i64,
+                types: args.types.as_mut_ptr().cast(),
+                args: args.ptrs.as_mut_ptr(),
+            },
+            rets: XLA_FFI_Rets {
+                struct_size: XLA_FFI_Rets::STRUCT_SIZE,
+                extension_start: ptr::null_mut(),
+                size: rets.ptrs.len() as i64,
+                types: rets.types.as_mut_ptr().cast(),
+                rets: rets.ptrs.as_mut_ptr(),
+            },
+            attrs: *attrs.raw,
+            future: ptr::null_mut(),
+        });
+        // The frame holds the attribute list by value; keep `attrs.raw` in sync for tests
+        // that inspect it.
+        attrs.raw.struct_size = frame.attrs.struct_size;
+        BuiltFrame {
+            frame,
+            args,
+            rets,
+            attrs,
+            metadata,
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! A validated call frame and the decoding of a handler's signature from it.
+
+use super::api::Api;
+use super::attrs::{Attrs, DecodeAttrs};
+use super::buffer::{ArgsView, DecodeArgs, DecodeRets, RetsView};
+use super::context::{Context, Stage};
+use super::error::{DecodeErrors, FfiError, FfiResult};
+use super::sys;
+
+/// One call frame, checked to be at least as large as the struct this crate knows.
+pub struct Frame<'a> {
+    raw: &'a sys::XLA_FFI_CallFrame,
+    context: Context<'a>,
+}
+
+impl<'a> Frame<'a> {
+    /// # Safety
+    /// `raw` must be non-null and readable for its `struct_size`, as XLA passes it, for `'a`.
+    pub(crate) unsafe fn from_raw(
+        raw: *mut sys::XLA_FFI_CallFrame,
+        api: Api<'a>,
+    ) -> FfiResult<Self> {
+        // SAFETY: non-null and readable (caller's contract).
+        let size = unsafe { std::ptr::addr_of!((*raw).struct_size).read() };
+        if size < sys::XLA_FFI_CallFrame::STRUCT_SIZE {
+            return Err(FfiError::invalid_argument(format!(
+                "unexpected XLA_FFI_CallFrame size: expected at least {}, got {size}; check the \
+                 installed jaxlib version",
+                sys::XLA_FFI_CallFrame::STRUCT_SIZE
+            )));
+        }
+        // SAFETY: the frame covers every field up to `attrs` (checked above); `future` is
+        // never read.
+        let raw: &'a sys::XLA_FFI_CallFrame = unsafe { &*raw };
+        let stage = Stage::from_raw(raw.stage).unwrap_or(Stage::Execute);
+        Ok(Frame {
+            raw,
+            context: Context::new(api, raw.ctx, stage),
+        })
+    }
+
+    pub(crate) fn raw(&self) -> &'a sys::XLA_FFI_CallFrame {
+        self.raw
+    }
+
+    pub(crate) fn stage_raw(&self) -> sys::XLA_FFI_ExecutionStage {
+        self.raw.stage
+    }
+
+    pub fn context(&self) -> &Context<'a> {
+        &self.context
+    }
+
+    fn stage_name(&self) -> &'static str {
+        self.context.stage().name()
+    }
+
+    fn args(&self, errors: &mut DecodeErrors) -> Option<ArgsView<'a>> {
+        // SAFETY: the argument list is XLA's, valid for the call.
+        unsafe { ArgsView::new(&self.raw.args) }
+            .map_err(|e| errors.push(e))
+            .ok()
+    }
+
+    fn attrs(&self, errors: &mut DecodeErrors) -> Option<Attrs<'a>> {
+        // SAFETY: the attribute list is XLA's, valid for the call.
+        unsafe { Attrs::from_raw(&self.raw.attrs) }
+            .map_err(|e| errors.push(e))
+            .ok()
+    }
+
+    /// Decodes only the attributes (instantiate, prepare and initialize stages).
+    pub fn decode_attrs<A: DecodeAttrs<'a>>(&self) -> FfiResult<A> {
+        let mut errors = DecodeErrors::new();
+        let attrs = self
+            .attrs(&mut errors)
+            .and_then(|a| A::decode(a, &mut errors));
+        finish(self.stage_name(), errors, attrs)
+    }
+
+    /// Decodes arguments, results and attributes, reporting every failure at once.
+    pub fn decode_all<A: DecodeArgs<'a>, R: DecodeRets<'a>, T: DecodeAttrs<'a>>(
+        &self,
+    ) -> FfiResult<(A, R, T)> {
+        let mut errors = DecodeErrors::new();
+        let args_view = self.args(&mut errors);
+        let args = args_view.and_then(|v| A::decode(v, &mut errors));
+        let rets = args_view.and_then(|args_view| {
+            // SAFETY: the result list is XLA's, valid for the call.
+            unsafe { RetsView::new(&self.raw.rets, args_view) }
+                .map_err(|e| errors.push(e))
+                .ok()
+                .and_then(|v| R::decode(v, &mut errors))
+        });
+        let attrs = self
+            .attrs(&mut errors)
+            .and_then(|a| T::decode(a, &mut errors));
+        let all = match (args, rets, attrs) {
+            (Some(a), Some(r), Some(t)) => Some((a, r, t)),
+            _ => None,
+        };
+        finish(self.stage_name(), errors, all)
+    }
+}
+
+fn finish<T>(stage: &'static str, errors: DecodeErrors, value: Option<T>) -> FfiResult<T> {
+    errors.into_result(stage)?;
+    value.ok_or_else(|| FfiError::internal(format!("[{stage}] decoding failed without a message")))
+}

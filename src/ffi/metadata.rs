@@ -1,0 +1,97 @@
+//! The metadata answer: XLA calls every handler once at registration with an
+//! `XLA_FFI_Metadata_Extension` and no operands, and the handler must fill in the API version it
+//! was built against, its traits and (for a handler that creates state) the state type id.
+
+use std::ptr;
+
+use super::error::{FfiError, FfiResult};
+use super::sys;
+use super::trampoline::HandlerInfo;
+
+/// Extension chains longer than this are treated as malformed (XLA sends one).
+const MAX_EXTENSIONS: usize = 64;
+
+/// The metadata extension of a frame, if it has one.
+///
+/// # Safety
+/// The frame's extension chain must be null-terminated and each link readable.
+pub(crate) unsafe fn find_extension(
+    frame: &sys::XLA_FFI_CallFrame,
+) -> Option<*mut sys::XLA_FFI_Metadata_Extension> {
+    let mut next = frame.extension_start;
+    for _ in 0..MAX_EXTENSIONS {
+        if next.is_null() {
+            return None;
+        }
+        // SAFETY: each link of the chain is a readable `XLA_FFI_Extension_Base`.
+        let base = unsafe { next.read() };
+        if base.r#type == sys::XLA_FFI_Extension_Type::Metadata {
+            return Some(next.cast());
+        }
+        next = base.next;
+    }
+    None
+}
+
+/// Fills in the metadata for `info`.
+///
+/// # Safety
+/// `extension` must point to a metadata extension as XLA passes it.
+pub(crate) unsafe fn answer(
+    extension: *mut sys::XLA_FFI_Metadata_Extension,
+    info: &HandlerInfo,
+) -> FfiResult<()> {
+    // SAFETY: the extension base is readable (found by `find_extension`).
+    let ext_size = unsafe { ptr::addr_of!((*extension).extension_base.struct_size).read() };
+    if ext_size < sys::XLA_FFI_Metadata_Extension::STRUCT_SIZE {
+        return Err(FfiError::invalid_argument(format!(
+            "unexpected XLA_FFI_Metadata_Extension size: expected at least {}, got {ext_size}",
+            sys::XLA_FFI_Metadata_Extension::STRUCT_SIZE
+        )));
+    }
+    // SAFETY: the extension covers `metadata` (checked above).
+    let metadata = unsafe { ptr::addr_of!((*extension).metadata).read() };
+    if metadata.is_null() {
+        return Err(FfiError::invalid_argument(
+            "metadata extension without metadata",
+        ));
+    }
+    // SAFETY: non-null metadata has a readable `struct_size`.
+    let size = unsafe { ptr::addr_of!((*metadata).struct_size).read() };
+    if size < sys::XLA_FFI_Metadata::STRUCT_SIZE {
+        return Err(FfiError::invalid_argument(format!(
+            "unexpected XLA_FFI_Metadata size: expected at least {}, got {size}",
+            sys::XLA_FFI_Metadata::STRUCT_SIZE
+        )));
+    }
+    let version = sys::XLA_FFI_Api_Version {
+        struct_size: sys::XLA_FFI_Api_Version::STRUCT_SIZE,
+        extension_start: ptr::null_mut(),
+        major_version: sys::XLA_FFI_API_MAJOR,
+        minor_version: sys::XLA_FFI_API_MINOR,
+    };
+    // SAFETY: the metadata covers `api_version` and `traits` (its struct size was checked).
+    unsafe {
+        ptr::addr_of_mut!((*metadata).api_version).write(version);
+        ptr::addr_of_mut!((*metadata).traits).write(info.traits);
+    }
+
+    let type_id = match info.creates_state {
+        None => 0,
+        Some(registration) if registration.type_id() == 0 => {
+            return Err(FfiError::failed_precondition(format!(
+                "Types used by FFI handlers must be registered before the handler registration: \
+                 state type `{}` of this handler has no type id (register it with \
+                 jax.ffi.register_ffi_type first)",
+                registration.name()
+            )));
+        }
+        Some(registration) => registration.type_id(),
+    };
+    // The header's struct traits stop at `traits` (the field was added later without moving
+    // them), so `struct_size` cannot tell whether `state_type_id` exists. Every runtime that
+    // speaks API 0.3 allocates it, and XLA's own C++ binding writes it unconditionally; so do we.
+    // SAFETY: the metadata is a whole `XLA_FFI_Metadata` of this API version (see above).
+    unsafe { ptr::addr_of_mut!((*metadata).state_type_id).write(sys::XLA_FFI_TypeId { type_id }) };
+    Ok(())
+}

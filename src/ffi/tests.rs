@@ -1,0 +1,753 @@
+//! Unit tests of the FFI layer against the fake runtime.
+
+use half::{bf16, f16};
+
+use super::attrs::{AttrValue, Attrs};
+use super::bundle::{Bundle, BundleDef, Execute, Instantiate};
+use super::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use super::sys::{self, XLA_FFI_DataType as Dt};
+use super::*;
+
+// ---------------------------------------------------------------------------------------------
+// A probe bundle whose signature uses every decoder
+// ---------------------------------------------------------------------------------------------
+
+crate::ffi_attrs! {
+    struct ProbeAttrs<'a> {
+        b: bool,
+        i8v: i8,
+        i16v: i16,
+        i32v: i32,
+        i64v: i64,
+        u8v: u8,
+        u16v: u16,
+        u32v: u32,
+        u64v: u64,
+        f16v: f16,
+        bf16v: bf16,
+        f32v: f32,
+        f64v: f64,
+        name: &'a str,
+        ints: &'a [i64],
+        floats: &'a [f32],
+        nested: Attrs<'a>,
+        optional: Option<i32>,
+    }
+}
+
+/// What the probe saw, for the test to inspect.
+static SEEN: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
+
+struct Probe;
+impl Bundle for Probe {
+    const TARGET: &'static str = "probe";
+    type State = NoState;
+}
+impl Execute for Probe {
+    type Args<'a> = (Buffer<'a, f32>, AnyBuffer<'a>);
+    type Rets<'a> = (ResultBuffer<'a, f32>,);
+    type Attrs<'a> = ProbeAttrs<'a>;
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (x, any): (Buffer<'_, f32>, AnyBuffer<'_>),
+        (y,): (ResultBuffer<'_, f32>,),
+        a: ProbeAttrs<'_>,
+    ) -> FfiResult<()> {
+        for (o, i) in y.data.iter_mut().zip(x.data) {
+            *o = i * 2.0;
+        }
+        let nested_scale = match a.nested.get("scale") {
+            Some(Ok(AttrValue::Scalar(Scalar::F32(v)))) => v,
+            other => {
+                return Err(FfiError::invalid_argument(format!(
+                    "nested: {}",
+                    other.is_some()
+                )))
+            }
+        };
+        SEEN.lock().push(format!(
+            "{} {} {} {} {} {} {} {} {} {} {} {} {} {} {:?} {:?} {} {:?} {} {:?}",
+            a.b,
+            a.i8v,
+            a.i16v,
+            a.i32v,
+            a.i64v,
+            a.u8v,
+            a.u16v,
+            a.u32v,
+            a.u64v,
+            a.f16v,
+            a.bf16v,
+            a.f32v,
+            a.f64v,
+            a.name,
+            a.ints,
+            a.floats,
+            nested_scale,
+            a.optional,
+            any.dtype(),
+            any.dims()
+        ));
+        Ok(())
+    }
+}
+const PROBE: BundleDef = BundleDef::of::<Probe>().execute().build();
+
+fn probe_attrs(b: FrameBuilder) -> FrameBuilder {
+    b.attr("b", OwnedAttr::pred(true))
+        .attr("i8v", OwnedAttr::scalar(-8i8))
+        .attr("i16v", OwnedAttr::scalar(-16i16))
+        .attr("i32v", OwnedAttr::scalar(-32i32))
+        .attr("i64v", OwnedAttr::scalar(-64i64))
+        .attr("u8v", OwnedAttr::scalar(8u8))
+        .attr("u16v", OwnedAttr::scalar(16u16))
+        .attr("u32v", OwnedAttr::scalar(32u32))
+        .attr("u64v", OwnedAttr::scalar(64u64))
+        .attr("f16v", OwnedAttr::scalar(f16::from_f32(0.5)))
+        .attr("bf16v", OwnedAttr::scalar(bf16::from_f32(0.25)))
+        .attr("f32v", OwnedAttr::scalar(1.5f32))
+        .attr("f64v", OwnedAttr::scalar(2.5f64))
+        .attr("name", OwnedAttr::string("hello"))
+        .attr("ints", OwnedAttr::array(&[1i64, 2, 3]))
+        .attr("floats", OwnedAttr::array::<f32>(&[]))
+        .attr(
+            "nested",
+            OwnedAttr::Dict(vec![
+                ("scale".into(), OwnedAttr::scalar(3.0f32)),
+                (
+                    "inner".into(),
+                    OwnedAttr::Dict(vec![("deep".into(), OwnedAttr::string("x"))]),
+                ),
+            ]),
+        )
+}
+
+fn probe_frame() -> FrameBuilder {
+    probe_attrs(
+        FrameBuilder::new(Stage::Execute)
+            .arg(OwnedBuffer::from_values(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]))
+            .arg(OwnedBuffer::from_values(&[3], &[1i32, 2, 3]))
+            .ret(OwnedBuffer::zeros(DataType::F32, &[2, 2])),
+    )
+}
+
+fn execute(def: &BundleDef) -> sys::XLA_FFI_Handler {
+    def.handler(Stage::Execute).expect("execute stage")
+}
+
+fn call_err(frame: &mut fake::BuiltFrame, def: &BundleDef, stage: Stage) -> (ErrorCode, String) {
+    frame
+        .call(def.handler(stage).unwrap())
+        .expect_err("the call should fail")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attributes and buffers
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn decodes_every_attribute_kind_and_typed_buffers() {
+    let ctx = FakeContext::new();
+    let mut frame = probe_frame().build(&ctx);
+    frame.call(execute(&PROBE)).unwrap();
+    assert_eq!(frame.result(0).values::<f32>(), vec![2.0, 4.0, 6.0, 8.0]);
+    let seen = SEEN
+        .lock()
+        .iter()
+        .find(|s| s.starts_with("true -8"))
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        seen,
+        "true -8 -16 -32 -64 8 16 32 64 0.5 0.25 1.5 2.5 hello [1, 2, 3] [] 3 None S32 [3]"
+    );
+}
+
+#[test]
+fn optional_attribute_present() {
+    let ctx = FakeContext::new();
+    let mut frame = probe_frame()
+        .attr("optional", OwnedAttr::scalar(7i32))
+        .build(&ctx);
+    frame.call(execute(&PROBE)).unwrap();
+    assert!(SEEN.lock().iter().any(|s| s.contains("Some(7)")));
+}
+
+#[test]
+fn reports_every_decode_failure_together() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2], &[bf16::ONE, bf16::ONE]))
+        .arg(OwnedBuffer::from_values(&[1], &[1i32]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .attr("f32v", OwnedAttr::scalar(1.0f64))
+        .attr("bogus", OwnedAttr::scalar(1i32))
+        .attr("name", OwnedAttr::String(vec![0xff, 0xfe]))
+        .build(&ctx);
+    let (code, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    for expected in [
+        "probe: [execute] failed to decode the call frame",
+        "wrong dtype for argument 0: expected F32, got BF16",
+        "wrong type for attribute `f32v`: expected F32 scalar, got F64 scalar",
+        "unexpected attribute `bogus`",
+        "missing attribute `b` (PRED scalar)",
+        "missing attribute `ints` (S64 array)",
+        "missing attribute `nested` (dictionary)",
+        "wrong type for attribute `name`: expected UTF-8 string, got string",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in {message}"
+        );
+    }
+    assert!(!message.contains("`optional`"), "{message}");
+}
+
+#[test]
+fn wrong_array_dtype_and_kind() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[1]))
+        .attr("ints", OwnedAttr::string("not an array"))
+        .attr("nested", OwnedAttr::scalar(1i64))
+        .attr("floats", OwnedAttr::array(&[1i32]))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains("attribute `ints`: expected S64 array, got string"),
+        "{message}"
+    );
+    assert!(
+        message.contains("attribute `nested`: expected dictionary, got S64 scalar"),
+        "{message}"
+    );
+    assert!(
+        message.contains("attribute `floats`: expected F32 array, got S32 array"),
+        "{message}"
+    );
+}
+
+#[test]
+fn wrong_operand_counts() {
+    let ctx = FakeContext::new();
+    let mut frame = probe_attrs(
+        FrameBuilder::new(Stage::Execute)
+            .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+            .ret(OwnedBuffer::zeros(DataType::F32, &[1]))
+            .ret(OwnedBuffer::zeros(DataType::F32, &[1])),
+    )
+    .build(&ctx);
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains("wrong number of arguments: expected 2, got 1"),
+        "{message}"
+    );
+    assert!(
+        message.contains("wrong number of results: expected 1, got 2"),
+        "{message}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed frames
+// ---------------------------------------------------------------------------------------------
+
+/// Runs the probe on a frame after `edit`, expecting an error containing `expected`.
+fn malformed(expected: &str, edit: impl FnOnce(&mut fake::BuiltFrame)) {
+    let ctx = FakeContext::new();
+    let mut frame = probe_frame().build(&ctx);
+    edit(&mut frame);
+    let (code, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains(expected),
+        "expected {expected:?} in {message:?}"
+    );
+    assert_ne!(code, ErrorCode::Unknown);
+}
+
+#[test]
+fn malformed_call_frame_struct_size() {
+    malformed("unexpected XLA_FFI_CallFrame size", |f| {
+        f.frame.struct_size = 40
+    });
+}
+
+#[test]
+fn malformed_list_struct_sizes() {
+    malformed("unexpected arguments struct size", |f| {
+        f.frame.args.struct_size = 8
+    });
+    malformed("unexpected results struct size", |f| {
+        f.frame.rets.struct_size = 0
+    });
+    malformed("unexpected attributes struct size", |f| {
+        f.frame.attrs.struct_size = 1
+    });
+}
+
+#[test]
+fn malformed_counts() {
+    malformed("invalid number of arguments: -1", |f| {
+        f.frame.args.size = -1
+    });
+    malformed("invalid number of results: 4294967296", |f| {
+        f.frame.rets.size = 1 << 32
+    });
+    malformed("invalid number of attributes: -5", |f| {
+        f.frame.attrs.size = -5
+    });
+    malformed("2 arguments announced but the lists are null", |f| {
+        f.frame.args.args = std::ptr::null_mut()
+    });
+    malformed("attributes announced but the lists are null", |f| {
+        f.frame.attrs.names = std::ptr::null_mut()
+    });
+}
+
+#[test]
+fn malformed_operand_types() {
+    malformed("argument 1 has unsupported type 7", |f| f.args.types[1] = 7);
+    malformed("result 0 has unsupported type 0", |f| f.rets.types[0] = 0);
+    malformed("argument 0 is a null buffer pointer", |f| {
+        f.args.ptrs[0] = std::ptr::null_mut()
+    });
+}
+
+#[test]
+fn malformed_buffers() {
+    malformed("argument 0: unexpected XLA_FFI_Buffer size", |f| {
+        f.args.raw[0].struct_size = 16
+    });
+    malformed("argument 0 has invalid rank -1", |f| {
+        f.args.raw[0].rank = -1
+    });
+    malformed("argument 1 has invalid rank 1000", |f| {
+        f.args.raw[1].rank = 1000
+    });
+    malformed("argument 0 has rank 2 but no dimensions", |f| {
+        f.args.raw[0].dims = std::ptr::null_mut()
+    });
+    malformed("argument 0 has a negative dimension", |f| {
+        f.args.owned[0].dims[1] = -3
+    });
+    malformed("element count of", |f| {
+        f.args.owned[0].dims[0] = i64::MAX;
+        f.args.owned[0].dims[1] = 4;
+    });
+    malformed("result 0 of 16 bytes has a null data pointer", |f| {
+        f.rets.raw[0].data = std::ptr::null_mut()
+    });
+    malformed("argument 0 has unsupported dtype UNKNOWN(99)", |f| {
+        f.args.raw[0].dtype = Dt(99)
+    });
+    malformed("wrong dtype for result 0: expected F32, got F64", |f| {
+        f.rets.raw[0].dtype = Dt::F64
+    });
+    malformed("argument 0 is not aligned for F32", |f| {
+        f.args.raw[0].data = f.args.raw[0].data.cast::<u8>().wrapping_add(1).cast()
+    });
+}
+
+#[test]
+fn malformed_aliasing_is_refused() {
+    malformed("result 0 overlaps argument 0 in memory", |f| {
+        f.rets.raw[0].data = f.args.raw[0].data;
+    });
+}
+
+#[test]
+fn malformed_attributes() {
+    malformed("attribute 0 has a null name", |f| {
+        f.attrs.name_ptrs[0] = std::ptr::null_mut()
+    });
+    malformed("has unknown type 9", |f| {
+        f.attrs.types[3] = sys::XLA_FFI_AttrType(9)
+    });
+    malformed("is a null pointer", |f| {
+        f.attrs.value_ptrs[2] = std::ptr::null_mut()
+    });
+}
+
+#[test]
+fn wrong_stage_is_refused() {
+    let ctx = FakeContext::new();
+    let mut frame = probe_frame().build(&ctx);
+    frame.frame.stage = sys::XLA_FFI_ExecutionStage::INSTANTIATE;
+    let (code, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(
+        message.contains("this handler is for `execute`, the call is for `instantiate`"),
+        "{message}"
+    );
+    frame.frame.stage = sys::XLA_FFI_ExecutionStage(17);
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(message.contains("the call is for `stage 17`"), "{message}");
+}
+
+#[test]
+fn null_frame_or_api_returns_without_crashing() {
+    let handler = execute(&PROBE);
+    // SAFETY: the trampoline accepts a null frame.
+    assert!(unsafe { handler(std::ptr::null_mut()) }.is_null());
+    let ctx = FakeContext::new();
+    let mut frame = probe_frame().build(&ctx);
+    frame.frame.api = std::ptr::null();
+    assert!(
+        frame.call(handler).is_ok(),
+        "no API table: nothing can be reported, nothing ran"
+    );
+    assert!(frame.result(0).values::<f32>().iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn old_api_table_reports_missing_functions() {
+    // A table that ends before XLA_FFI_State_Get.
+    let size = std::mem::offset_of!(sys::XLA_FFI_Api, XLA_FFI_State_Get);
+    let ctx = FakeContext::new();
+    fake::register_type(crate::handlers::scaled_copy::ScaledCopyState::registration());
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .api(fake::api_with_size(size))
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[1]))
+        .build(&ctx);
+    let (code, message) = frame
+        .call(execute(&crate::handlers::scaled_copy::BUNDLE))
+        .unwrap_err();
+    assert_eq!(code, ErrorCode::Unimplemented);
+    assert!(message.contains("has no XLA_FFI_State_Get"), "{message}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metadata
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn metadata_answer_for_stateless_handler() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.call(execute(&PROBE)).unwrap();
+    let md = frame.metadata().unwrap();
+    assert_eq!(
+        (md.api_version.major_version, md.api_version.minor_version),
+        (0, 3)
+    );
+    assert_eq!(
+        md.api_version.struct_size,
+        sys::XLA_FFI_Api_Version::STRUCT_SIZE
+    );
+    assert_eq!(md.traits, 0);
+    assert_eq!(md.state_type_id.type_id, 0);
+}
+
+#[test]
+fn metadata_answer_is_given_before_any_decoding() {
+    // The metadata call has no operands at all; a handler that decoded first would fail.
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.frame.stage = sys::XLA_FFI_ExecutionStage::INSTANTIATE;
+    frame.call(execute(&PROBE)).unwrap();
+}
+
+struct Unregistered;
+struct UnregisteredState;
+crate::state_type!(UnregisteredState, "rmsnorm_ffi.tests.Unregistered");
+impl Bundle for Unregistered {
+    const TARGET: &'static str = "unregistered";
+    const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
+    type State = UnregisteredState;
+}
+impl Instantiate for Unregistered {
+    type Attrs<'a> = ();
+    fn instantiate(_: &Context<'_>, _: ()) -> FfiResult<UnregisteredState> {
+        Ok(UnregisteredState)
+    }
+}
+impl Execute for Unregistered {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &UnregisteredState, _: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
+        Ok(())
+    }
+}
+const UNREGISTERED: BundleDef = BundleDef::of::<Unregistered>()
+    .instantiate()
+    .execute()
+    .build();
+
+#[test]
+fn metadata_of_unregistered_state_type_is_refused() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    let (code, message) = call_err(&mut frame, &UNREGISTERED, Stage::Instantiate);
+    assert_eq!(code, ErrorCode::FailedPrecondition);
+    assert!(
+        message.contains("Types used by FFI handlers must be registered"),
+        "{message}"
+    );
+    assert!(
+        message.contains("rmsnorm_ffi.tests.Unregistered"),
+        "{message}"
+    );
+    // The execute stage creates no state, so its metadata does not name the type.
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.call(execute(&UNREGISTERED)).unwrap();
+    let md = frame.metadata().unwrap();
+    assert_eq!(
+        md.traits,
+        sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
+    );
+    assert_eq!(md.state_type_id.type_id, 0);
+}
+
+#[test]
+fn metadata_names_the_registered_state_type() {
+    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
+    fake::register_type(ScaledCopyState::registration());
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame
+        .call(BUNDLE.handler(Stage::Instantiate).unwrap())
+        .unwrap();
+    let id = frame.metadata().unwrap().state_type_id.type_id;
+    assert!(id > 0);
+    assert_eq!(id, ScaledCopyState::registration().type_id());
+}
+
+#[test]
+fn malformed_metadata_is_refused() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.metadata.as_mut().unwrap().1.struct_size = 4;
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains("unexpected XLA_FFI_Metadata size"),
+        "{message}"
+    );
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.metadata.as_mut().unwrap().0.metadata = std::ptr::null_mut();
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains("metadata extension without metadata"),
+        "{message}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stateful bundles, panics, context
+// ---------------------------------------------------------------------------------------------
+
+fn scaled_copy_frame(stage: Stage, x: &[f32], dims: &[i64], row_len: i64) -> FrameBuilder {
+    let b = FrameBuilder::new(stage)
+        .attr("scale", OwnedAttr::scalar(2.0f32))
+        .attr("row_len", OwnedAttr::scalar(row_len));
+    match stage {
+        Stage::Execute => b
+            .arg(OwnedBuffer::from_values(dims, x))
+            .ret(OwnedBuffer::zeros(DataType::F32, dims)),
+        _ => b,
+    }
+}
+
+#[test]
+fn stateful_bundle_lives_from_instantiate_to_deleter() {
+    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE, TARGET};
+    fake::register_type(ScaledCopyState::registration());
+    let ctx = FakeContext::new();
+    let mut inst = scaled_copy_frame(Stage::Instantiate, &[], &[], 3).build(&ctx);
+    inst.call(BUNDLE.handler(Stage::Instantiate).unwrap())
+        .unwrap();
+    assert_eq!(ctx.state_count(), 1);
+    let state_id = ctx_state_id(&ctx, TARGET);
+    for _ in 0..3 {
+        let mut exec =
+            scaled_copy_frame(Stage::Execute, &[1.0, 1.0, 3.0, 2.0, 2.0, 6.0], &[2, 3], 3)
+                .build(&ctx);
+        exec.call(execute(&BUNDLE)).unwrap();
+        assert_eq!(
+            exec.result(0).values::<f32>(),
+            vec![2.0, 1.0, 2.0, 4.0, 2.0, 4.0]
+        );
+    }
+    let snap = crate::state::snapshot();
+    assert_eq!(
+        snap.states
+            .iter()
+            .find(|s| s.id == state_id)
+            .unwrap()
+            .executions,
+        3
+    );
+    // A row length other than the one instantiated for is refused.
+    let mut exec = scaled_copy_frame(Stage::Execute, &[1.0; 4], &[4], 3).build(&ctx);
+    let (_, message) = exec.call(execute(&BUNDLE)).unwrap_err();
+    assert!(message.contains("instantiated for row_len=3"), "{message}");
+    drop(ctx);
+    let snap = crate::state::snapshot();
+    assert!(
+        snap.states.iter().all(|s| s.id != state_id),
+        "the deleter ran"
+    );
+}
+
+/// The id of the most recently created live state of `target`.
+fn ctx_state_id(_ctx: &FakeContext, target: &str) -> u64 {
+    crate::state::snapshot()
+        .states
+        .iter()
+        .filter(|s| s.target == target)
+        .map(|s| s.id)
+        .max()
+        .unwrap()
+}
+
+#[test]
+fn instantiate_validates_attributes() {
+    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
+    fake::register_type(ScaledCopyState::registration());
+    let ctx = FakeContext::new();
+    let mut inst = FrameBuilder::new(Stage::Instantiate)
+        .attr("scale", OwnedAttr::scalar(f32::NAN))
+        .attr("row_len", OwnedAttr::scalar(4i64))
+        .build(&ctx);
+    let (code, message) = inst
+        .call(BUNDLE.handler(Stage::Instantiate).unwrap())
+        .unwrap_err();
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(
+        message.contains("invalid attribute `scale`: must be finite, got NaN"),
+        "{message}"
+    );
+    assert_eq!(ctx.state_count(), 0);
+    // Executing without a state is an error, not a crash.
+    let mut exec = scaled_copy_frame(Stage::Execute, &[1.0; 4], &[4], 4).build(&ctx);
+    let (_, message) = exec.call(execute(&BUNDLE)).unwrap_err();
+    assert!(
+        message.contains("XLA_FFI_State_Get failed: state is not set"),
+        "{message}"
+    );
+}
+
+#[test]
+fn state_can_be_set_only_once() {
+    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
+    fake::register_type(ScaledCopyState::registration());
+    let ctx = FakeContext::new();
+    let before = crate::state::snapshot();
+    for expect_ok in [true, false] {
+        let mut inst = scaled_copy_frame(Stage::Instantiate, &[], &[], 2).build(&ctx);
+        let result = inst.call(BUNDLE.handler(Stage::Instantiate).unwrap());
+        assert_eq!(result.is_ok(), expect_ok, "{result:?}");
+    }
+    // The refused state was dropped (created 2, one destroyed already).
+    let after = crate::state::snapshot();
+    assert!(after.destroyed_states > before.destroyed_states);
+    assert_eq!(ctx.state_count(), 1);
+}
+
+#[test]
+fn panics_in_every_stage_become_errors() {
+    use crate::handlers::testing::{StagesState, STAGES_BUNDLE};
+    fake::register_type(StagesState::registration());
+    for stage in Stage::ALL {
+        let ctx = FakeContext::new();
+        let frame = |s: Stage| {
+            let b = FrameBuilder::new(s)
+                .attr("panic_in", OwnedAttr::string(stage.name()))
+                .attr("fail_in", OwnedAttr::string("none"));
+            if s == Stage::Execute {
+                b.ret(OwnedBuffer::zeros(DataType::S32, &[4]))
+            } else {
+                b
+            }
+        };
+        let mut errors = Vec::new();
+        for s in Stage::ALL {
+            let mut f = frame(s).build(&ctx);
+            if let Err(e) = f.call(STAGES_BUNDLE.handler(s).unwrap()) {
+                errors.push((s, e));
+            }
+        }
+        let (failed_stage, (code, message)) = errors.first().cloned().unwrap();
+        assert_eq!(failed_stage, stage);
+        assert_eq!(code, ErrorCode::Internal);
+        assert!(
+            message.contains(&format!(
+                "panic in rmsnorm_ffi_testing_stages [{stage}]: deliberate panic in the {stage} stage"
+            )),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn context_queries_and_thread_pool() {
+    use crate::handlers::testing::CONTEXT_BUNDLE;
+    for inline in [false, true] {
+        let mut ctx = FakeContext::new();
+        ctx.inline_tasks = inline;
+        ctx.num_threads = 3;
+        ctx.device_ordinal = 2;
+        ctx.run_id = 77;
+        let mut frame = FrameBuilder::new(Stage::Execute)
+            .ret(OwnedBuffer::zeros(DataType::S32, &[4]))
+            .build(&ctx);
+        frame.call(execute(&CONTEXT_BUNDLE)).unwrap();
+        assert_eq!(frame.result(0).values::<i32>(), vec![3, 2, 77, 1]);
+    }
+}
+
+struct MemoryUser;
+impl Bundle for MemoryUser {
+    const TARGET: &'static str = "memory_user";
+    type State = NoState;
+}
+impl Execute for MemoryUser {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &NoState, ctx: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
+        let a = ctx.allocate(100, 8)?;
+        let b = ctx.allocate(10, 4)?;
+        assert!(!a.device_ptr().is_null() && a.size() == 100 && b.size() == 10);
+        let err = ctx.stream().unwrap_err();
+        assert!(
+            err.to_string().contains("no stream on this platform"),
+            "{err}"
+        );
+        Ok(())
+    }
+}
+const MEMORY_USER: BundleDef = BundleDef::of::<MemoryUser>().execute().build();
+
+#[test]
+fn device_memory_is_returned_and_stream_errors_are_reported() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute).build(&ctx);
+    frame.call(execute(&MEMORY_USER)).unwrap();
+    assert_eq!(ctx.outstanding_allocations(), 0);
+}
+
+#[test]
+fn registration_lists_are_consistent() {
+    crate::handlers::check_all().unwrap();
+    let cpu = crate::handlers::bundles("cpu").unwrap();
+    assert!(cpu.iter().any(|b| b.target == "rmsnorm_ffi_scaled_copy"));
+    let stages = crate::handlers::testing::STAGES_BUNDLE.stages();
+    assert_eq!(stages.len(), 4);
+    let types = crate::handlers::state_types("cpu").unwrap();
+    let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
+    names.dedup();
+    assert_eq!(names.len(), types.len());
+    let Err(err) = crate::handlers::bundles("tpu") else {
+        panic!("tpu has no bundles")
+    };
+    assert_eq!(
+        err.to_string(),
+        "unsupported platform `tpu` (this build supports: cpu)"
+    );
+}

@@ -1,0 +1,162 @@
+//! State types: the type id XLA assigns, the type info whose deleter drops the state, and the
+//! trait that ties a Rust type to both.
+//!
+//! XLA owns a state from the moment the instantiate stage hands it over (`XLA_FFI_State_Set`)
+//! until the executable dies, when it calls the deleter from the type info. The state is a
+//! `Box<T>` turned into a raw pointer; [`delete_state`] turns it back and drops it, behind the
+//! panic-catching trampoline.
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use super::context::Context;
+use super::error::FfiResult;
+use super::sys;
+use super::trampoline;
+
+/// An `XLA_FFI_TypeId` that XLA may write through a pointer (type registration is in-out).
+#[repr(transparent)]
+pub struct TypeIdCell(AtomicI64);
+
+impl TypeIdCell {
+    pub const fn unknown() -> Self {
+        TypeIdCell(AtomicI64::new(0))
+    }
+
+    /// The id XLA assigned, or 0 before registration.
+    pub fn get(&self) -> i64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// The pointer XLA reads and writes. `AtomicI64` has the layout of `i64`, which is the
+    /// layout of `XLA_FFI_TypeId`.
+    pub fn as_ptr(&self) -> *mut sys::XLA_FFI_TypeId {
+        self.0.as_ptr().cast()
+    }
+}
+
+/// `XLA_FFI_TypeInfo` in a `static`: it holds only a function pointer and a null extension.
+#[repr(transparent)]
+pub struct TypeInfoCell(sys::XLA_FFI_TypeInfo);
+
+// SAFETY: the struct is never mutated after construction, and its only pointers are a null
+// extension and a function pointer.
+unsafe impl Sync for TypeInfoCell {}
+
+/// Everything XLA needs to know about one state type.
+pub struct StateTypeRegistration {
+    name: &'static str,
+    type_id: TypeIdCell,
+    type_info: TypeInfoCell,
+}
+
+impl StateTypeRegistration {
+    /// The registration of `T`, called `name` in XLA's process-wide type registry.
+    pub const fn new<T: StateType>(name: &'static str) -> Self {
+        StateTypeRegistration {
+            name,
+            type_id: TypeIdCell::unknown(),
+            type_info: TypeInfoCell(sys::XLA_FFI_TypeInfo {
+                struct_size: sys::XLA_FFI_TypeInfo::STRUCT_SIZE,
+                extension_start: ptr::null_mut(),
+                deleter: Some(delete_state::<T>),
+            }),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The id XLA assigned, 0 until the type is registered.
+    pub fn type_id(&self) -> i64 {
+        self.type_id.get()
+    }
+
+    pub fn type_id_ptr(&self) -> *mut sys::XLA_FFI_TypeId {
+        self.type_id.as_ptr()
+    }
+
+    pub fn type_info_ptr(&self) -> *const sys::XLA_FFI_TypeInfo {
+        &self.type_info.0
+    }
+}
+
+/// A Rust type that can be an XLA FFI state. Declare with [`crate::state_type!`].
+pub trait StateType: Send + Sync + Sized + 'static {
+    fn registration() -> &'static StateTypeRegistration;
+}
+
+/// The state a bundle's stages share: a [`StateType`] made by its instantiate stage, or
+/// [`NoState`].
+pub trait BundleState: Send + Sync + 'static {
+    /// The registration of the state type; `None` for stateless bundles.
+    fn state_registration() -> Option<&'static StateTypeRegistration>;
+    /// The state of the executing call site.
+    fn fetch<'a>(ctx: &Context<'a>) -> FfiResult<&'a Self>;
+}
+
+/// The state of a stateless bundle.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoState;
+
+impl BundleState for NoState {
+    fn state_registration() -> Option<&'static StateTypeRegistration> {
+        None
+    }
+    fn fetch<'a>(_ctx: &Context<'a>) -> FfiResult<&'a Self> {
+        Ok(&NoState)
+    }
+}
+
+/// The deleter XLA calls when the executable that owns a `T` state is destroyed.
+///
+/// # Safety
+/// `object` must be null or a pointer produced by `Box::<T>::into_raw` in
+/// [`Context::set_state`] and not freed since; XLA calls each deleter once per state.
+pub unsafe extern "C" fn delete_state<T: StateType>(object: *mut c_void) {
+    if object.is_null() {
+        return;
+    }
+    let result = trampoline::catch(
+        || format!("the deleter of state type `{}`", T::registration().name()),
+        // SAFETY: per the function's contract, `object` is a live `Box<T>` we gave to XLA.
+        || {
+            drop(unsafe { Box::from_raw(object.cast::<T>()) });
+            Ok(())
+        },
+    );
+    trampoline::report_unreturnable(result);
+}
+
+/// Declares that a Rust type is an XLA FFI state type called `$name` in XLA's registry.
+///
+/// ```text
+/// struct MyState { table: Vec<f32> }
+/// rmsnorm_ffi::state_type!(MyState, "my_crate.MyState");
+/// ```
+#[macro_export]
+macro_rules! state_type {
+    ($ty:ty, $name:expr) => {
+        impl $crate::ffi::types::StateType for $ty {
+            fn registration() -> &'static $crate::ffi::types::StateTypeRegistration {
+                static REGISTRATION: $crate::ffi::types::StateTypeRegistration =
+                    $crate::ffi::types::StateTypeRegistration::new::<$ty>($name);
+                &REGISTRATION
+            }
+        }
+
+        impl $crate::ffi::types::BundleState for $ty {
+            fn state_registration(
+            ) -> ::std::option::Option<&'static $crate::ffi::types::StateTypeRegistration> {
+                ::std::option::Option::Some(<$ty as $crate::ffi::types::StateType>::registration())
+            }
+            fn fetch<'a>(
+                ctx: &$crate::ffi::context::Context<'a>,
+            ) -> $crate::ffi::error::FfiResult<&'a Self> {
+                ctx.state::<$ty>()
+            }
+        }
+    };
+}

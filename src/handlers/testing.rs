@@ -1,0 +1,176 @@
+//! Targets for tests and the stress harness: they exercise the FFI layer, not the math.
+//!
+//! - `rmsnorm_ffi_testing_stages`: a bundle with all four stages. Each stage counts its calls in
+//!   the state; execute writes the counts to its `S32[4]` result. The `panic_in` and `fail_in`
+//!   attributes name a stage that panics or returns an error, to prove that both come back to
+//!   Python as exceptions and the process lives on.
+//! - `rmsnorm_ffi_testing_context`: a stateless bundle whose execute reads the context (XLA's
+//!   thread-pool size, device ordinal, run id), runs one task on XLA's thread pool and waits
+//!   for it, and writes what it saw to its `S32[4]` result.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use crate::ffi::{
+    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Initialize, Instantiate, NoState,
+    Prepare, ResultBuffer, Stage,
+};
+use crate::state::LiveState;
+
+pub const STAGES_TARGET: &str = "rmsnorm_ffi_testing_stages";
+pub const CONTEXT_TARGET: &str = "rmsnorm_ffi_testing_context";
+
+crate::ffi_attrs! {
+    /// Which stage misbehaves: "instantiate", "prepare", "initialize", "execute" or "none".
+    pub struct StagesAttrs {
+        pub panic_in: String,
+        pub fail_in: String,
+    }
+}
+
+/// Per-call-site state of the stages target: calls per stage.
+pub struct StagesState {
+    pub live: LiveState,
+    calls: [AtomicU64; 4],
+}
+crate::state_type!(StagesState, "rmsnorm_ffi.testing.StagesState");
+
+impl StagesState {
+    fn count(&self, stage: Stage) {
+        let index = Stage::ALL.iter().position(|s| *s == stage).unwrap_or(0);
+        self.calls[index].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Panics or fails if the attributes say this stage should.
+fn misbehave(attrs: &StagesAttrs, stage: Stage) -> FfiResult<()> {
+    for name in [&attrs.panic_in, &attrs.fail_in] {
+        if name != "none" && !Stage::ALL.iter().any(|s| s.name() == name) {
+            return Err(FfiError::invalid_argument(format!(
+                "unknown stage `{name}`: expected instantiate, prepare, initialize, execute or none"
+            )));
+        }
+    }
+    if attrs.panic_in == stage.name() {
+        panic!("deliberate panic in the {stage} stage");
+    }
+    if attrs.fail_in == stage.name() {
+        return Err(FfiError::failed_precondition(format!(
+            "deliberate error in the {stage} stage"
+        )));
+    }
+    Ok(())
+}
+
+pub struct Stages;
+
+impl Bundle for Stages {
+    const TARGET: &'static str = STAGES_TARGET;
+    type State = StagesState;
+}
+
+impl Instantiate for Stages {
+    type Attrs<'a> = StagesAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<StagesState> {
+        misbehave(&attrs, Stage::Instantiate)?;
+        let state = StagesState {
+            live: LiveState::register(STAGES_TARGET, "rmsnorm_ffi.testing.StagesState"),
+            calls: Default::default(),
+        };
+        state.count(Stage::Instantiate);
+        Ok(state)
+    }
+}
+
+impl Prepare for Stages {
+    type Attrs<'a> = StagesAttrs;
+    fn prepare(state: &StagesState, _ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<()> {
+        misbehave(&attrs, Stage::Prepare)?;
+        state.count(Stage::Prepare);
+        Ok(())
+    }
+}
+
+impl Initialize for Stages {
+    type Attrs<'a> = StagesAttrs;
+    fn initialize(state: &StagesState, _ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<()> {
+        misbehave(&attrs, Stage::Initialize)?;
+        state.count(Stage::Initialize);
+        Ok(())
+    }
+}
+
+impl Execute for Stages {
+    type Args<'a> = ();
+    type Rets<'a> = (ResultBuffer<'a, i32>,);
+    type Attrs<'a> = StagesAttrs;
+    fn execute(
+        state: &StagesState,
+        _ctx: &Context<'_>,
+        (): (),
+        (out,): (ResultBuffer<'_, i32>,),
+        attrs: StagesAttrs,
+    ) -> FfiResult<()> {
+        misbehave(&attrs, Stage::Execute)?;
+        state.live.record_execution();
+        state.count(Stage::Execute);
+        if out.data.len() != 4 {
+            return Err(FfiError::invalid_argument(format!(
+                "result 0 must have 4 elements, got {}",
+                out.data.len()
+            )));
+        }
+        for (o, c) in out.data.iter_mut().zip(&state.calls) {
+            *o = c.load(Ordering::Relaxed).min(i32::MAX as u64) as i32;
+        }
+        Ok(())
+    }
+}
+
+pub const STAGES_BUNDLE: BundleDef = BundleDef::of::<Stages>()
+    .instantiate()
+    .prepare()
+    .initialize()
+    .execute()
+    .build();
+
+pub struct ContextProbe;
+
+impl Bundle for ContextProbe {
+    const TARGET: &'static str = CONTEXT_TARGET;
+    type State = NoState;
+}
+
+impl Execute for ContextProbe {
+    type Args<'a> = ();
+    type Rets<'a> = (ResultBuffer<'a, i32>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _state: &NoState,
+        ctx: &Context<'_>,
+        (): (),
+        (out,): (ResultBuffer<'_, i32>,),
+        (): (),
+    ) -> FfiResult<()> {
+        if out.data.len() != 4 {
+            return Err(FfiError::invalid_argument(format!(
+                "result 0 must have 4 elements, got {}",
+                out.data.len()
+            )));
+        }
+        let (sender, receiver) = mpsc::channel();
+        ctx.schedule(Box::new(move || {
+            let _ = sender.send(std::thread::current().id());
+        }))?;
+        let task_ran = receiver.recv_timeout(Duration::from_secs(30)).is_ok();
+        out.data[0] = ctx.num_threads()?.clamp(0, i32::MAX as i64) as i32;
+        out.data[1] = ctx.device_ordinal()?;
+        // The run id is an arbitrary i64; its low 31 bits are enough to tell runs apart.
+        out.data[2] = (ctx.run_id()? & 0x7fff_ffff) as i32;
+        out.data[3] = task_ran as i32;
+        Ok(())
+    }
+}
+
+pub const CONTEXT_BUNDLE: BundleDef = BundleDef::of::<ContextProbe>().execute().build();

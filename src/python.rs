@@ -1,0 +1,107 @@
+//! The `rmsnorm_ffi._native` extension module: capsules for registration, and statistics.
+//!
+//! Registration itself happens in Python (`rmsnorm_ffi.register()`), which must control the
+//! order (backend first, then types, then bundles); this module only hands out the pieces.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::ffi::capsule;
+use crate::ffi::sys::{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
+use crate::handlers;
+
+fn platform_error(e: handlers::HandlerError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// `{target: {stage: capsule}}` for the bundles of `platform`.
+#[pyfunction]
+#[pyo3(signature = (platform = "cpu"))]
+fn registrations<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
+    handlers::check_all().map_err(PyValueError::new_err)?;
+    let out = PyDict::new(py);
+    for def in handlers::bundles(platform).map_err(platform_error)? {
+        let stages = PyDict::new(py);
+        for (stage, handler) in def.stages() {
+            stages.set_item(stage.name(), capsule::handler(py, handler)?)?;
+        }
+        out.set_item(def.target, stages)?;
+    }
+    Ok(out)
+}
+
+/// `{name: {"type_id": capsule, "type_info": capsule}}` for the state types of `platform`.
+#[pyfunction]
+#[pyo3(signature = (platform = "cpu"))]
+fn state_types<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for registration in handlers::state_types(platform).map_err(platform_error)? {
+        let (type_id, type_info) = capsule::state_type(py, registration)?;
+        let entry = PyDict::new(py);
+        entry.set_item("type_id", type_id)?;
+        entry.set_item("type_info", type_info)?;
+        out.set_item(registration.name(), entry)?;
+    }
+    Ok(out)
+}
+
+/// The type ids XLA assigned so far (0: not registered yet), by state type name.
+#[pyfunction]
+#[pyo3(signature = (platform = "cpu"))]
+fn type_ids<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for registration in handlers::state_types(platform).map_err(platform_error)? {
+        out.set_item(registration.name(), registration.type_id())?;
+    }
+    Ok(out)
+}
+
+/// The platforms this build has bundles for.
+#[pyfunction]
+fn platforms() -> Vec<&'static str> {
+    handlers::PLATFORMS.to_vec()
+}
+
+/// A snapshot of the live-state registry.
+#[pyfunction]
+fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = crate::state::snapshot();
+    let out = PyDict::new(py);
+    out.set_item("live_states", s.live_states)?;
+    out.set_item("created_states", s.created_states)?;
+    out.set_item("destroyed_states", s.destroyed_states)?;
+    let executions = PyDict::new(py);
+    for (target, n) in &s.executions {
+        executions.set_item(*target, *n)?;
+    }
+    out.set_item("executions", executions)?;
+    out.set_item("workspace_bytes", s.workspace_bytes)?;
+    out.set_item("workspace_allocations", s.workspace_allocations)?;
+    let states = PyList::empty(py);
+    for state in &s.states {
+        let d = PyDict::new(py);
+        d.set_item("id", state.id)?;
+        d.set_item("target", state.target)?;
+        d.set_item("type", state.type_name)?;
+        d.set_item("executions", state.executions)?;
+        states.append(d)?;
+    }
+    out.set_item("states", states)?;
+    Ok(out)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(registrations, m)?)?;
+    m.add_function(wrap_pyfunction!(state_types, m)?)?;
+    m.add_function(wrap_pyfunction!(type_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(platforms, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add(
+        "XLA_FFI_API_VERSION",
+        (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),
+    )?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
