@@ -14,3 +14,8 @@ pub mod state;
 
 #[cfg(feature = "python")]
 mod python;
+
+/// The README's Rust example, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up in .venv/
+# from a fresh clone and are safe to run again.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps-installed
+
+.PHONY: demo test develop rust-test python-test clean
+
+$(DEPS): requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $(DEPS)
+
+# Builds the Rust extension (release) into .venv; cargo makes this quick when nothing changed.
+develop: $(DEPS)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
+
+demo: develop
+	$(PY) examples/stateful_demo.py
+
+rust-test: $(DEPS)
+	XLA_FFI_INCLUDE_DIR="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+		cargo test --features fake-runtime
+
+python-test: develop
+	$(PY) -m pytest -q tests/python
+
+test: rust-test python-test
+
+clean:
+	rm -rf $(VENV) target
