@@ -13,6 +13,7 @@ from rmsnorm_ffi._registration import register
 
 STAGES_TARGET = "rmsnorm_ffi_testing_stages"
 CONTEXT_TARGET = "rmsnorm_ffi_testing_context"
+ATTRS_TARGET = "rmsnorm_ffi_testing_attrs"
 STAGES = ("instantiate", "prepare", "initialize", "execute")
 
 
@@ -31,3 +32,14 @@ def context_probe():
     register()
     call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((4,), jnp.int32))
     return call()
+
+
+def describe_attributes(size: int = 4096, **attributes) -> str:
+    """How the Rust decoding layer reads ``attributes`` as XLA encodes them: ``name=kind:value``
+    entries sorted by name, separated by ``;``, dictionaries in braces."""
+    import numpy as np
+
+    register()
+    call = jax.ffi.ffi_call(ATTRS_TARGET, jax.ShapeDtypeStruct((size,), jnp.uint8))
+    raw = np.asarray(jax.jit(lambda: call(**attributes))())
+    return bytes(raw).rstrip(b"\0").decode()

@@ -751,3 +751,83 @@ fn registration_lists_are_consistent() {
         "unsupported platform `tpu` (this build supports: cpu)"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Panics where C has no error to return: deleters and thread-pool tasks
+// ---------------------------------------------------------------------------------------------
+
+struct PanickyDrop;
+impl Drop for PanickyDrop {
+    fn drop(&mut self) {
+        panic!("deliberate panic in a state's drop");
+    }
+}
+crate::state_type!(PanickyDrop, "rmsnorm_ffi.tests.PanickyDrop");
+
+#[test]
+fn panicking_deleter_is_contained() {
+    let registration = PanickyDrop::registration();
+    let raw = Box::into_raw(Box::new(PanickyDrop));
+    // SAFETY: `raw` is a live `Box<PanickyDrop>`, deleted once, as XLA would.
+    unsafe { super::types::delete_state::<PanickyDrop>(raw.cast()) };
+    // SAFETY: a null state is ignored.
+    unsafe { super::types::delete_state::<PanickyDrop>(std::ptr::null_mut()) };
+    assert_eq!(registration.name(), "rmsnorm_ffi.tests.PanickyDrop");
+}
+
+struct Scheduler;
+impl Bundle for Scheduler {
+    const TARGET: &'static str = "scheduler";
+    type State = NoState;
+}
+impl Execute for Scheduler {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &NoState, ctx: &Context<'_>, args: ArgsView<'_>, _: (), _: ()) -> FfiResult<()> {
+        // A task that panics is contained; a later task still runs.
+        ctx.schedule(Box::new(|| panic!("deliberate panic in a task")))?;
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let count = args.len();
+        ctx.schedule(Box::new(move || sender.send(count).unwrap()))?;
+        let got = receiver
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap();
+        if got != 3 {
+            return Err(FfiError::internal(format!("variadic args: {got}")));
+        }
+        // Variadic arguments are validated one by one on access.
+        let dims: Vec<_> = (0..args.len())
+            .map(|i| args.get(i).map(|b| b.dims().to_vec()))
+            .collect();
+        if dims != vec![Ok(vec![1]), Ok(vec![2, 2]), Ok(vec![])] {
+            return Err(FfiError::internal(format!("{dims:?}")));
+        }
+        Ok(())
+    }
+}
+const SCHEDULER: BundleDef = BundleDef::of::<Scheduler>().execute().build();
+
+#[test]
+fn panicking_task_is_contained_and_variadic_args_decode() {
+    for inline in [true, false] {
+        let mut ctx = FakeContext::new();
+        ctx.inline_tasks = inline;
+        let mut frame = FrameBuilder::new(Stage::Execute)
+            .arg(OwnedBuffer::from_values(&[1], &[1u8]))
+            .arg(OwnedBuffer::from_values(&[2, 2], &[1.0f64; 4]))
+            .arg(OwnedBuffer::from_values::<i16>(&[], &[7]))
+            .build(&ctx);
+        frame.call(execute(&SCHEDULER)).unwrap();
+    }
+}
+
+#[test]
+fn runtime_version_is_readable() {
+    // SAFETY: the fake table is a valid, static `XLA_FFI_Api`.
+    let api = unsafe { super::api::Api::from_raw(fake::api()) }.unwrap();
+    assert_eq!(api.version(), (0, 3));
+    // SAFETY: a table too small to create errors is refused, not used.
+    let small = unsafe { super::api::Api::from_raw(fake::api_with_size(16)) };
+    assert!(small.is_err());
+}

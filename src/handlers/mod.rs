@@ -13,6 +13,7 @@ const CPU_BUNDLES: &[BundleDef] = &[
     scaled_copy::BUNDLE,
     testing::STAGES_BUNDLE,
     testing::CONTEXT_BUNDLE,
+    testing::ATTRS_BUNDLE,
 ];
 
 /// The platforms this build registers bundles for.

@@ -7,14 +7,16 @@
 //! - `rmsnorm_ffi_testing_context`: a stateless bundle whose execute reads the context (XLA's
 //!   thread-pool size, device ordinal, run id), runs one task on XLA's thread pool and waits
 //!   for it, and writes what it saw to its `S32[4]` result.
+//! - `rmsnorm_ffi_testing_attrs`: echoes a description of every attribute it is given.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use crate::ffi::attrs::ArrayAttr;
 use crate::ffi::{
-    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Initialize, Instantiate, NoState,
-    Prepare, ResultBuffer, Stage,
+    AttrValue, Attrs, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult,
+    Initialize, Instantiate, NoState, Prepare, ResultBuffer, Scalar, Stage,
 };
 use crate::state::LiveState;
 
@@ -174,3 +176,104 @@ impl Execute for ContextProbe {
 }
 
 pub const CONTEXT_BUNDLE: BundleDef = BundleDef::of::<ContextProbe>().execute().build();
+
+pub const ATTRS_TARGET: &str = "rmsnorm_ffi_testing_attrs";
+
+/// Echoes its attributes: execute writes a description of every attribute (name, kind, value,
+/// recursively through dictionaries) as UTF-8 into its `U8[n]` result, zero-padded. This proves
+/// that the decoding layer reads XLA's real encoding of every attribute kind, not only the fake
+/// runtime's.
+pub struct AttrsEcho;
+
+impl Bundle for AttrsEcho {
+    const TARGET: &'static str = ATTRS_TARGET;
+    type State = NoState;
+}
+
+impl Execute for AttrsEcho {
+    type Args<'a> = ();
+    type Rets<'a> = (ResultBuffer<'a, u8>,);
+    type Attrs<'a> = Attrs<'a>;
+    fn execute(
+        _state: &NoState,
+        _ctx: &Context<'_>,
+        (): (),
+        (out,): (ResultBuffer<'_, u8>,),
+        attrs: Attrs<'_>,
+    ) -> FfiResult<()> {
+        let text = describe(attrs)?;
+        if text.len() > out.data.len() {
+            return Err(FfiError::invalid_argument(format!(
+                "the description needs {} bytes, the result has {}",
+                text.len(),
+                out.data.len()
+            )));
+        }
+        out.data.fill(0);
+        out.data[..text.len()].copy_from_slice(text.as_bytes());
+        Ok(())
+    }
+}
+
+/// `name=kind:value` entries separated by `;`, dictionaries in braces.
+pub fn describe(attrs: Attrs<'_>) -> FfiResult<String> {
+    let mut parts = Vec::with_capacity(attrs.len());
+    for i in 0..attrs.len() {
+        let name = String::from_utf8_lossy(attrs.name(i)?).into_owned();
+        let value = match attrs.value(i)? {
+            AttrValue::Scalar(s) => format!("{}:{}", s.dtype(), scalar_text(s)),
+            AttrValue::String(bytes) => format!("string:{}", String::from_utf8_lossy(bytes)),
+            AttrValue::Dictionary(d) => format!("dict:{{{}}}", describe(d)?),
+            AttrValue::Array(a) => format!("{}[{}]:{}", a.dtype(), a.len(), array_text(&a)?),
+        };
+        parts.push(format!("{name}={value}"));
+    }
+    Ok(parts.join(";"))
+}
+
+fn scalar_text(s: Scalar) -> String {
+    match s {
+        Scalar::Pred(v) => v.to_string(),
+        Scalar::S8(v) => v.to_string(),
+        Scalar::S16(v) => v.to_string(),
+        Scalar::S32(v) => v.to_string(),
+        Scalar::S64(v) => v.to_string(),
+        Scalar::U8(v) => v.to_string(),
+        Scalar::U16(v) => v.to_string(),
+        Scalar::U32(v) => v.to_string(),
+        Scalar::U64(v) => v.to_string(),
+        Scalar::F16(v) => v.to_string(),
+        Scalar::BF16(v) => v.to_string(),
+        Scalar::F32(v) => v.to_string(),
+        Scalar::F64(v) => v.to_string(),
+        Scalar::Other(d) => format!("<{d}>"),
+    }
+}
+
+fn join<T: ToString>(values: &[T]) -> String {
+    values
+        .iter()
+        .map(T::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn array_text(a: &ArrayAttr<'_>) -> FfiResult<String> {
+    Ok(match a.dtype() {
+        DataType::S8 => join(a.as_slice::<i8>()?),
+        DataType::S16 => join(a.as_slice::<i16>()?),
+        DataType::S32 => join(a.as_slice::<i32>()?),
+        DataType::S64 => join(a.as_slice::<i64>()?),
+        DataType::U8 => join(a.as_slice::<u8>()?),
+        DataType::U16 => join(a.as_slice::<u16>()?),
+        DataType::U32 => join(a.as_slice::<u32>()?),
+        DataType::U64 => join(a.as_slice::<u64>()?),
+        DataType::F16 => join(a.as_slice::<half::f16>()?),
+        DataType::BF16 => join(a.as_slice::<half::bf16>()?),
+        DataType::F32 => join(a.as_slice::<f32>()?),
+        DataType::F64 => join(a.as_slice::<f64>()?),
+        other => format!("<{other}>"),
+    })
+}
+
+pub const ATTRS_BUNDLE: BundleDef = BundleDef::of::<AttrsEcho>().execute().build();
