@@ -155,7 +155,7 @@ impl<'a> Api<'a> {
     }
 
     /// The message of an error, copied out.
-    pub fn error_message(&self, error: *mut sys::XLA_FFI_Error) -> String {
+    pub(crate) fn error_message(&self, error: *mut sys::XLA_FFI_Error) -> String {
         let Ok(get) = api_fn!(self, XLA_FFI_Error_GetMessage) else {
             return "(no message: the runtime lacks XLA_FFI_Error_GetMessage)".to_string();
         };

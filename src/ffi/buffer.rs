@@ -5,6 +5,10 @@
 //! this module gives out never alias. (A bundle that asks XLA to alias an input with an output
 //! cannot use the typed result views; it gets a clear decode error instead of undefined
 //! behaviour.)
+//!
+//! Typed views (`as_slice`, [`Buffer`], [`ResultBuffer`]) are for host memory: XLA:CPU
+//! buffers. A bundle registered for a GPU platform must use [`AnyBuffer::device_ptr`] only;
+//! a slice over device memory is not a valid Rust reference even if it is never read.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -97,6 +101,8 @@ impl<'a> AnyBuffer<'a> {
             &[]
         } else if buffer.dims.is_null() {
             return Err(format!("{operand} has rank {rank} but no dimensions"));
+        } else if (buffer.dims as usize) % align_of::<i64>() != 0 {
+            return Err(format!("{operand} has misaligned dimensions"));
         } else {
             // SAFETY: the caller guarantees `rank` readable i64s at `dims` for `'a`.
             unsafe { std::slice::from_raw_parts(buffer.dims, rank) }
@@ -118,6 +124,11 @@ impl<'a> AnyBuffer<'a> {
         if byte_size > 0 && buffer.data.is_null() {
             return Err(format!(
                 "{operand} of {byte_size} bytes has a null data pointer"
+            ));
+        }
+        if (buffer.data as usize).checked_add(byte_size).is_none() {
+            return Err(format!(
+                "{operand}: its {byte_size} bytes wrap around the address space"
             ));
         }
         Ok(AnyBuffer {
@@ -159,10 +170,17 @@ impl<'a> AnyBuffer<'a> {
         self.data
     }
 
-    /// The half-open byte range of the data, for the aliasing check.
+    /// The half-open byte range of the data, for the aliasing check (it cannot overflow:
+    /// `from_raw` checked).
     fn byte_range(&self) -> (usize, usize) {
         let start = self.data as usize;
         (start, start + self.byte_size)
+    }
+
+    /// The half-open byte range of the dimensions array.
+    fn dims_range(&self) -> (usize, usize) {
+        let start = self.dims.as_ptr() as usize;
+        (start, start + std::mem::size_of_val(self.dims))
     }
 
     /// Why a `T` view is not possible, if it is not.
@@ -289,8 +307,9 @@ pub struct ArgsView<'a> {
     raw: &'a sys::XLA_FFI_Args,
 }
 
-/// The validated result list of a call frame.
-#[derive(Clone, Copy)]
+/// The validated result list of a call frame. Deliberately neither `Clone` nor `Copy`: a view
+/// is consumed by the one decoder that takes each result once, so no two writable views of a
+/// result can exist.
 pub struct RetsView<'a> {
     raw: &'a sys::XLA_FFI_Rets,
     args: ArgsView<'a>,
@@ -409,10 +428,15 @@ impl<'a> RetsView<'a> {
         let buffer = self.buffer(index)?;
         let (start, end) = buffer.byte_range();
         if start < end {
-            let overlaps = |other: AnyBuffer<'_>| {
-                let (s, e) = other.byte_range();
-                s < e && s < end && start < e
-            };
+            let hits = |(s, e): (usize, usize)| s < e && s < end && start < e;
+            // Data or dimensions of any other buffer: both are handed out as shared slices.
+            let overlaps =
+                |other: AnyBuffer<'_>| hits(other.byte_range()) || hits(other.dims_range());
+            if hits(buffer.dims_range()) {
+                return Err(format!(
+                    "result {index} overlaps its own dimensions in memory"
+                ));
+            }
             for i in 0..self.args.len() {
                 if let Ok(arg) = self.args.get(i) {
                     if overlaps(arg) {

@@ -104,6 +104,7 @@ impl<'a> Context<'a> {
     pub fn state<T: StateType>(&self) -> FfiResult<&'a T> {
         self.require_ctx("the state")?;
         let registration = T::registration();
+        registration.check_type::<T>()?;
         if registration.type_id() == 0 {
             return Err(FfiError::failed_precondition(format!(
                 "state type `{}` is not registered with XLA",
@@ -138,6 +139,7 @@ impl<'a> Context<'a> {
     pub(crate) fn set_state<T: StateType>(&self, state: T) -> FfiResult<()> {
         self.require_ctx("the state")?;
         let registration = T::registration();
+        registration.check_type::<T>()?;
         let set = api_fn!(self.api, XLA_FFI_State_Set)?;
         let raw = Box::into_raw(Box::new(state));
         let mut args = sys::XLA_FFI_State_Set_Args {

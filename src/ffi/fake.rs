@@ -4,6 +4,9 @@
 //! It is never a substitute for the real runtime (the Python tests run real jaxlib); it lets the
 //! Rust tests build frames that XLA would never send — wrong struct sizes, counts, dtypes,
 //! ranks, null pointers — and check that decoding reports them instead of misbehaving.
+//!
+//! Test-only (feature `fake-runtime` or `cfg(test)`): its safe-looking functions take raw
+//! pointers on trust, which is fine for tests and wrong for anything else.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};

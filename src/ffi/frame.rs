@@ -1,5 +1,7 @@
 //! A validated call frame and the decoding of a handler's signature from it.
 
+use std::ptr;
+
 use super::api::Api;
 use super::attrs::{Attrs, DecodeAttrs};
 use super::buffer::{ArgsView, DecodeArgs, DecodeRets, RetsView};
@@ -7,44 +9,37 @@ use super::context::{Context, Stage};
 use super::error::{DecodeErrors, FfiError, FfiResult};
 use super::sys;
 
-/// One call frame, checked to be at least as large as the struct this crate knows.
+/// One call frame, checked to be at least as large as the struct this crate knows. Only the
+/// fields up to `attrs` (the header's `STRUCT_SIZE`) are ever read.
 pub struct Frame<'a> {
-    raw: &'a sys::XLA_FFI_CallFrame,
+    stage: sys::XLA_FFI_ExecutionStage,
+    args: &'a sys::XLA_FFI_Args,
+    rets: &'a sys::XLA_FFI_Rets,
+    attrs: &'a sys::XLA_FFI_Attrs,
     context: Context<'a>,
 }
 
 impl<'a> Frame<'a> {
     /// # Safety
-    /// `raw` must be non-null and readable for its `struct_size`, as XLA passes it, for `'a`.
-    pub(crate) unsafe fn from_raw(
-        raw: *mut sys::XLA_FFI_CallFrame,
-        api: Api<'a>,
-    ) -> FfiResult<Self> {
-        // SAFETY: non-null and readable (caller's contract).
-        let size = unsafe { std::ptr::addr_of!((*raw).struct_size).read() };
-        if size < sys::XLA_FFI_CallFrame::STRUCT_SIZE {
-            return Err(FfiError::invalid_argument(format!(
-                "unexpected XLA_FFI_CallFrame size: expected at least {}, got {size}; check the \
-                 installed jaxlib version",
-                sys::XLA_FFI_CallFrame::STRUCT_SIZE
-            )));
+    /// `raw` must be non-null, readable for at least `XLA_FFI_CallFrame::STRUCT_SIZE` bytes
+    /// (the trampoline checks its `struct_size`), as XLA passes it, for `'a`.
+    pub(crate) unsafe fn from_raw(raw: *mut sys::XLA_FFI_CallFrame, api: Api<'a>) -> Self {
+        // SAFETY: every field read lies within STRUCT_SIZE (caller's contract).
+        unsafe {
+            let stage = ptr::addr_of!((*raw).stage).read();
+            let ctx = ptr::addr_of!((*raw).ctx).read();
+            Frame {
+                stage,
+                args: &*ptr::addr_of!((*raw).args),
+                rets: &*ptr::addr_of!((*raw).rets),
+                attrs: &*ptr::addr_of!((*raw).attrs),
+                context: Context::new(api, ctx, Stage::from_raw(stage).unwrap_or(Stage::Execute)),
+            }
         }
-        // SAFETY: the frame covers every field up to `attrs` (checked above); `future` is
-        // never read.
-        let raw: &'a sys::XLA_FFI_CallFrame = unsafe { &*raw };
-        let stage = Stage::from_raw(raw.stage).unwrap_or(Stage::Execute);
-        Ok(Frame {
-            raw,
-            context: Context::new(api, raw.ctx, stage),
-        })
-    }
-
-    pub(crate) fn raw(&self) -> &'a sys::XLA_FFI_CallFrame {
-        self.raw
     }
 
     pub(crate) fn stage_raw(&self) -> sys::XLA_FFI_ExecutionStage {
-        self.raw.stage
+        self.stage
     }
 
     pub fn context(&self) -> &Context<'a> {
@@ -57,14 +52,14 @@ impl<'a> Frame<'a> {
 
     fn args(&self, errors: &mut DecodeErrors) -> Option<ArgsView<'a>> {
         // SAFETY: the argument list is XLA's, valid for the call.
-        unsafe { ArgsView::new(&self.raw.args) }
+        unsafe { ArgsView::new(self.args) }
             .map_err(|e| errors.push(e))
             .ok()
     }
 
     fn attrs(&self, errors: &mut DecodeErrors) -> Option<Attrs<'a>> {
         // SAFETY: the attribute list is XLA's, valid for the call.
-        unsafe { Attrs::from_raw(&self.raw.attrs) }
+        unsafe { Attrs::from_raw(self.attrs) }
             .map_err(|e| errors.push(e))
             .ok()
     }
@@ -87,7 +82,7 @@ impl<'a> Frame<'a> {
         let args = args_view.and_then(|v| A::decode(v, &mut errors));
         let rets = args_view.and_then(|args_view| {
             // SAFETY: the result list is XLA's, valid for the call.
-            unsafe { RetsView::new(&self.raw.rets, args_view) }
+            unsafe { RetsView::new(self.rets, args_view) }
                 .map_err(|e| errors.push(e))
                 .ok()
                 .and_then(|v| R::decode(v, &mut errors))

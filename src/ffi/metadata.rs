@@ -14,11 +14,13 @@ const MAX_EXTENSIONS: usize = 64;
 /// The metadata extension of a frame, if it has one.
 ///
 /// # Safety
-/// The frame's extension chain must be null-terminated and each link readable.
+/// `frame` must be readable up to `extension_start`, and its extension chain null-terminated
+/// with each link readable.
 pub(crate) unsafe fn find_extension(
-    frame: &sys::XLA_FFI_CallFrame,
+    frame: *const sys::XLA_FFI_CallFrame,
 ) -> Option<*mut sys::XLA_FFI_Metadata_Extension> {
-    let mut next = frame.extension_start;
+    // SAFETY: per the contract.
+    let mut next = unsafe { ptr::addr_of!((*frame).extension_start).read() };
     for _ in 0..MAX_EXTENSIONS {
         if next.is_null() {
             return None;

@@ -357,6 +357,36 @@ fn malformed_aliasing_is_refused() {
     malformed("result 0 overlaps argument 0 in memory", |f| {
         f.rets.raw[0].data = f.args.raw[0].data;
     });
+    // A result written over another buffer's dimensions would alias a shared slice too.
+    malformed("result 0 overlaps argument 0 in memory", |f| {
+        f.rets.raw[0].data = f.args.raw[0].dims.cast();
+    });
+    malformed("result 0 overlaps its own dimensions", |f| {
+        f.rets.raw[0].data = f.rets.raw[0].dims.cast();
+    });
+    malformed("wrap around the address space", |f| {
+        f.args.raw[0].data = (usize::MAX - 8) as *mut std::ffi::c_void;
+    });
+}
+
+struct Impostor;
+impl StateType for Impostor {
+    fn registration() -> &'static StateTypeRegistration {
+        crate::handlers::scaled_copy::ScaledCopyState::registration()
+    }
+}
+
+#[test]
+fn a_registration_is_checked_against_its_rust_type() {
+    let registration = Impostor::registration();
+    let err = registration.check_type::<Impostor>().unwrap_err();
+    assert!(
+        err.to_string().contains("registered for another Rust type"),
+        "{err}"
+    );
+    registration
+        .check_type::<crate::handlers::scaled_copy::ScaledCopyState>()
+        .unwrap();
 }
 
 #[test]
@@ -391,16 +421,34 @@ fn wrong_stage_is_refused() {
 #[test]
 fn null_frame_or_api_returns_without_crashing() {
     let handler = execute(&PROBE);
-    // SAFETY: the trampoline accepts a null frame.
-    assert!(unsafe { handler(std::ptr::null_mut()) }.is_null());
     let ctx = FakeContext::new();
+    // A valid call first: the trampoline remembers the process's API table.
+    probe_frame().build(&ctx).call(handler).unwrap();
+    // SAFETY: the trampoline accepts a null frame.
+    let err = fake::take_result(unsafe { handler(std::ptr::null_mut()) }).unwrap_err();
+    assert!(err.1.contains("null call frame"), "{err:?}");
     let mut frame = probe_frame().build(&ctx);
     frame.frame.api = std::ptr::null();
+    let (_, message) = frame.call(handler).unwrap_err();
+    assert!(message.contains("no usable XLA_FFI_Api table"), "{message}");
     assert!(
-        frame.call(handler).is_ok(),
-        "no API table: nothing can be reported, nothing ran"
+        frame.result(0).values::<f32>().iter().all(|&v| v == 0.0),
+        "nothing ran"
     );
-    assert!(frame.result(0).values::<f32>().iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn metadata_is_answered_without_an_api_table() {
+    // Some XLA versions send the registration-time metadata call with a null `api`.
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::metadata().build(&ctx);
+    frame.frame.api = std::ptr::null();
+    frame.call(execute(&PROBE)).unwrap();
+    let md = frame.metadata().unwrap();
+    assert_eq!(
+        (md.api_version.major_version, md.api_version.minor_version),
+        (0, 3)
+    );
 }
 
 #[test]

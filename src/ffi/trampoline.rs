@@ -7,8 +7,11 @@
 //! any error into an `XLA_FFI_Error` carrying the target's name.
 
 use std::any::Any;
+use std::io::Write;
+use std::mem::size_of;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::api::Api;
 use super::context::Stage;
@@ -25,10 +28,18 @@ pub fn catch<R>(
 ) -> FfiResult<R> {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(result) => result,
-        Err(payload) => Err(FfiError::Panic {
-            context: context(),
-            message: panic_message(payload.as_ref()),
-        }),
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            // Dropping a payload can itself panic; that second panic is swallowed (and its
+            // payload leaked) rather than let it unwind into C.
+            if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+                std::mem::forget(again);
+            }
+            Err(FfiError::Panic {
+                context: context(),
+                message,
+            })
+        }
     }
 }
 
@@ -42,10 +53,11 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
     }
 }
 
-/// Reports an error where the C signature has no way to return one (deleters, tasks).
+/// Reports an error where the C signature has no way to return one (deleters, tasks). A
+/// failed write to stderr is ignored: it must not panic here.
 pub fn report_unreturnable<R>(result: FfiResult<R>) {
     if let Err(e) = result {
-        eprintln!("rmsnorm_ffi: {e}");
+        let _ = writeln!(std::io::stderr(), "rmsnorm_ffi: {e}");
     }
 }
 
@@ -59,7 +71,14 @@ pub struct HandlerInfo {
     pub creates_state: Option<&'static StateTypeRegistration>,
 }
 
+/// The last valid API table seen. XLA has one table per process; a frame that comes without
+/// one (some runtimes send the metadata call so) still gets its errors reported through it.
+static KNOWN_API: AtomicPtr<sys::XLA_FFI_Api> = AtomicPtr::new(ptr::null_mut());
+
 /// The body of every `extern "C"` handler entry.
+///
+/// In XLA's order: check the frame's size, answer the metadata extension (before decoding
+/// anything, and without needing the API table), check the stage, then run `body`.
 ///
 /// # Safety
 /// `frame` must be null or a call frame as XLA passes it: readable for its `struct_size`, with
@@ -70,24 +89,25 @@ pub unsafe fn handle(
     body: impl FnOnce(&Frame<'_>) -> FfiResult<()>,
 ) -> *mut sys::XLA_FFI_Error {
     // SAFETY: forwarded contract.
-    let api = match unsafe { frame_api(frame) } {
-        Ok(api) => api,
-        Err(e) => {
-            // Without an API table there is no way to build an error for XLA.
-            eprintln!("rmsnorm_ffi: {} [{}]: {e}", info.target, info.stage);
-            return ptr::null_mut();
-        }
-    };
+    let api = unsafe { frame_api(frame) };
+    // Errors are reported through the frame's table or, failing that, the last one seen.
+    // SAFETY: only tables that passed `Api::from_raw` are stored; XLA's table is static.
+    let reporter = api.or_else(|| unsafe { Api::from_raw(KNOWN_API.load(Ordering::Relaxed)) }.ok());
     let result = catch(
         || format!("{} [{}]", info.target, info.stage),
         || {
-            // SAFETY: forwarded contract; `api` came from this frame.
-            let frame = unsafe { Frame::from_raw(frame, api) }?;
-            // SAFETY: the frame's extension chain is XLA's.
-            if let Some(extension) = unsafe { metadata::find_extension(frame.raw()) } {
+            // SAFETY: forwarded contract.
+            unsafe { check_frame_size(frame) }?;
+            // SAFETY: the frame covers `extension_start` (checked above); the chain is XLA's.
+            if let Some(extension) = unsafe { metadata::find_extension(frame) } {
                 // SAFETY: `find_extension` returned a metadata extension of this frame.
                 return unsafe { metadata::answer(extension, info) };
             }
+            let api = api.ok_or_else(|| {
+                FfiError::internal("the call frame has no usable XLA_FFI_Api table")
+            })?;
+            // SAFETY: forwarded contract; the frame's size was checked above.
+            let frame = unsafe { Frame::from_raw(frame, api) };
             if frame.stage_raw() != info.stage.to_raw() {
                 return Err(FfiError::invalid_argument(format!(
                     "wrong execution stage: this handler is for `{}`, the call is for `{}`",
@@ -100,28 +120,60 @@ pub unsafe fn handle(
             body(&frame)
         },
     );
-    match result {
-        Ok(()) => ptr::null_mut(),
-        Err(e) => api.create_error_raw(e.code(), &format!("{}: {e}", info.target)),
+    match (result, reporter) {
+        (Ok(()), _) => ptr::null_mut(),
+        (Err(e), Some(api)) => api.create_error_raw(e.code(), &format!("{}: {e}", info.target)),
+        (Err(e), None) => {
+            // No table to build an error with: all that can be done is to say so.
+            let _ = writeln!(
+                std::io::stderr(),
+                "rmsnorm_ffi: {} [{}]: {e} (not reported to XLA: no API table)",
+                info.target,
+                info.stage
+            );
+            ptr::null_mut()
+        }
     }
 }
 
-/// The API table of a frame, checking that the frame is large enough to hold it.
+/// Checks that `frame` is non-null and at least as large as the call frame this crate knows.
 ///
 /// # Safety
 /// As for [`handle`].
-unsafe fn frame_api<'a>(frame: *mut sys::XLA_FFI_CallFrame) -> FfiResult<Api<'a>> {
+unsafe fn check_frame_size(frame: *mut sys::XLA_FFI_CallFrame) -> FfiResult<()> {
     if frame.is_null() {
         return Err(FfiError::internal("null call frame"));
     }
     // SAFETY: a non-null frame has a readable `struct_size`.
     let size = unsafe { ptr::addr_of!((*frame).struct_size).read() };
-    let needed = std::mem::offset_of!(sys::XLA_FFI_CallFrame, api) + std::mem::size_of::<usize>();
-    if size < needed {
-        return Err(FfiError::internal(format!(
-            "call frame of {size} bytes is too small to hold the API table"
+    if size < sys::XLA_FFI_CallFrame::STRUCT_SIZE {
+        return Err(FfiError::invalid_argument(format!(
+            "unexpected XLA_FFI_CallFrame size: expected at least {}, got {size}; check the \
+             installed jaxlib version",
+            sys::XLA_FFI_CallFrame::STRUCT_SIZE
         )));
     }
-    // SAFETY: the frame is large enough to hold `api` (checked above); the table is XLA's.
-    unsafe { Api::from_raw(ptr::addr_of!((*frame).api).read()) }
+    Ok(())
+}
+
+/// The frame's API table, if it has a valid one (remembered for frames that have none).
+///
+/// # Safety
+/// As for [`handle`].
+unsafe fn frame_api<'a>(frame: *mut sys::XLA_FFI_CallFrame) -> Option<Api<'a>> {
+    if !frame.is_null() {
+        // SAFETY: a non-null frame has a readable `struct_size`.
+        let size = unsafe { ptr::addr_of!((*frame).struct_size).read() };
+        let needed = std::mem::offset_of!(sys::XLA_FFI_CallFrame, api) + size_of::<usize>();
+        if size >= needed {
+            // SAFETY: the frame is large enough to hold `api` (checked above).
+            let raw = unsafe { ptr::addr_of!((*frame).api).read() };
+            // SAFETY: a non-null table in a frame is XLA's, valid for the call.
+            if let Ok(api) = unsafe { Api::from_raw(raw) } {
+                KNOWN_API.store(raw.cast_mut(), Ordering::Relaxed);
+                return Some(api);
+            }
+        }
+    }
+    None
 }

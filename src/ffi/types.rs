@@ -6,12 +6,13 @@
 //! `Box<T>` turned into a raw pointer; [`delete_state`] turns it back and drops it, behind the
 //! panic-catching trampoline.
 
+use std::any::TypeId;
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use super::context::Context;
-use super::error::FfiResult;
+use super::error::{FfiError, FfiResult};
 use super::sys;
 use super::trampoline;
 
@@ -49,6 +50,10 @@ pub struct StateTypeRegistration {
     name: &'static str,
     type_id: TypeIdCell,
     type_info: TypeInfoCell,
+    /// The Rust type the deleter frees. [`StateType::registration`] is a safe trait method,
+    /// so a wrong impl could hand out another type's registration; the context checks this
+    /// before it casts a state pointer.
+    rust_type: fn() -> TypeId,
 }
 
 impl StateTypeRegistration {
@@ -62,6 +67,20 @@ impl StateTypeRegistration {
                 extension_start: ptr::null_mut(),
                 deleter: Some(delete_state::<T>),
             }),
+            rust_type: TypeId::of::<T>,
+        }
+    }
+
+    /// Whether this registration is `T`'s (its deleter frees a `T`).
+    pub(crate) fn check_type<T: 'static>(&self) -> FfiResult<()> {
+        if (self.rust_type)() == TypeId::of::<T>() {
+            Ok(())
+        } else {
+            Err(FfiError::internal(format!(
+                "state type `{}` is registered for another Rust type than `{}`",
+                self.name,
+                std::any::type_name::<T>()
+            )))
         }
     }
 
@@ -120,7 +139,7 @@ pub unsafe extern "C" fn delete_state<T: StateType>(object: *mut c_void) {
         return;
     }
     let result = trampoline::catch(
-        || format!("the deleter of state type `{}`", T::registration().name()),
+        || format!("the deleter of state type `{}`", std::any::type_name::<T>()),
         // SAFETY: per the function's contract, `object` is a live `Box<T>` we gave to XLA.
         || {
             drop(unsafe { Box::from_raw(object.cast::<T>()) });

@@ -25,9 +25,9 @@ pub const CONTEXT_TARGET: &str = "rmsnorm_ffi_testing_context";
 
 crate::ffi_attrs! {
     /// Which stage misbehaves: "instantiate", "prepare", "initialize", "execute" or "none".
-    pub struct StagesAttrs {
-        pub panic_in: String,
-        pub fail_in: String,
+    pub struct StagesAttrs<'a> {
+        pub panic_in: &'a str,
+        pub fail_in: &'a str,
     }
 }
 
@@ -46,8 +46,8 @@ impl StagesState {
 }
 
 /// Panics or fails if the attributes say this stage should.
-fn misbehave(attrs: &StagesAttrs, stage: Stage) -> FfiResult<()> {
-    for name in [&attrs.panic_in, &attrs.fail_in] {
+fn misbehave(attrs: &StagesAttrs<'_>, stage: Stage) -> FfiResult<()> {
+    for name in [attrs.panic_in, attrs.fail_in] {
         if name != "none" && !Stage::ALL.iter().any(|s| s.name() == name) {
             return Err(FfiError::invalid_argument(format!(
                 "unknown stage `{name}`: expected instantiate, prepare, initialize, execute or none"
@@ -65,6 +65,17 @@ fn misbehave(attrs: &StagesAttrs, stage: Stage) -> FfiResult<()> {
     Ok(())
 }
 
+/// The test targets' results have a fixed length.
+fn require_len<T>(data: &[T], len: usize) -> FfiResult<()> {
+    if data.len() != len {
+        return Err(FfiError::invalid_argument(format!(
+            "result 0 must have {len} elements, got {}",
+            data.len()
+        )));
+    }
+    Ok(())
+}
+
 pub struct Stages;
 
 impl Bundle for Stages {
@@ -73,8 +84,8 @@ impl Bundle for Stages {
 }
 
 impl Instantiate for Stages {
-    type Attrs<'a> = StagesAttrs;
-    fn instantiate(_ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<StagesState> {
+    type Attrs<'a> = StagesAttrs<'a>;
+    fn instantiate(_ctx: &Context<'_>, attrs: StagesAttrs<'_>) -> FfiResult<StagesState> {
         misbehave(&attrs, Stage::Instantiate)?;
         let state = StagesState {
             live: LiveState::register(STAGES_TARGET, "rmsnorm_ffi.testing.StagesState"),
@@ -86,8 +97,8 @@ impl Instantiate for Stages {
 }
 
 impl Prepare for Stages {
-    type Attrs<'a> = StagesAttrs;
-    fn prepare(state: &StagesState, _ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<()> {
+    type Attrs<'a> = StagesAttrs<'a>;
+    fn prepare(state: &StagesState, _ctx: &Context<'_>, attrs: StagesAttrs<'_>) -> FfiResult<()> {
         misbehave(&attrs, Stage::Prepare)?;
         state.count(Stage::Prepare);
         Ok(())
@@ -95,8 +106,12 @@ impl Prepare for Stages {
 }
 
 impl Initialize for Stages {
-    type Attrs<'a> = StagesAttrs;
-    fn initialize(state: &StagesState, _ctx: &Context<'_>, attrs: StagesAttrs) -> FfiResult<()> {
+    type Attrs<'a> = StagesAttrs<'a>;
+    fn initialize(
+        state: &StagesState,
+        _ctx: &Context<'_>,
+        attrs: StagesAttrs<'_>,
+    ) -> FfiResult<()> {
         misbehave(&attrs, Stage::Initialize)?;
         state.count(Stage::Initialize);
         Ok(())
@@ -106,23 +121,18 @@ impl Initialize for Stages {
 impl Execute for Stages {
     type Args<'a> = ();
     type Rets<'a> = (ResultBuffer<'a, i32>,);
-    type Attrs<'a> = StagesAttrs;
+    type Attrs<'a> = StagesAttrs<'a>;
     fn execute(
         state: &StagesState,
         _ctx: &Context<'_>,
         (): (),
         (out,): (ResultBuffer<'_, i32>,),
-        attrs: StagesAttrs,
+        attrs: StagesAttrs<'_>,
     ) -> FfiResult<()> {
         misbehave(&attrs, Stage::Execute)?;
         state.live.record_execution();
         state.count(Stage::Execute);
-        if out.data.len() != 4 {
-            return Err(FfiError::invalid_argument(format!(
-                "result 0 must have 4 elements, got {}",
-                out.data.len()
-            )));
-        }
+        require_len(out.data, 4)?;
         for (o, c) in out.data.iter_mut().zip(&state.calls) {
             *o = c.load(Ordering::Relaxed).min(i32::MAX as u64) as i32;
         }
@@ -155,12 +165,7 @@ impl Execute for ContextProbe {
         (out,): (ResultBuffer<'_, i32>,),
         (): (),
     ) -> FfiResult<()> {
-        if out.data.len() != 4 {
-            return Err(FfiError::invalid_argument(format!(
-                "result 0 must have 4 elements, got {}",
-                out.data.len()
-            )));
-        }
+        require_len(out.data, 4)?;
         let (sender, receiver) = mpsc::channel();
         ctx.schedule(Box::new(move || {
             let _ = sender.send(std::thread::current().id());
