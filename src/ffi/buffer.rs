@@ -574,3 +574,57 @@ tuple_decoders!(5; A: 0, B: 1, C: 2, D: 3, E: 4);
 tuple_decoders!(6; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5);
 tuple_decoders!(7; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6);
 tuple_decoders!(8; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6, H: 7);
+
+/// Results of a handler whose result count varies (up to [`ResultList::MAX`]): each result is
+/// taken out once.
+pub struct ResultList<'a> {
+    items: [Option<AnyResult<'a>>; ResultList::MAX],
+    len: usize,
+}
+
+impl ResultList<'_> {
+    pub const MAX: usize = 8;
+}
+
+impl<'a> ResultList<'a> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The `index`th result; `None` if there is none or it was taken already.
+    pub fn take(&mut self, index: usize) -> Option<AnyResult<'a>> {
+        self.items.get_mut(index).and_then(Option::take)
+    }
+}
+
+impl<'a> DecodeRets<'a> for ResultList<'a> {
+    fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
+        if rets.len() > ResultList::MAX {
+            errors.push(format!(
+                "too many results: {} (at most {} supported)",
+                rets.len(),
+                ResultList::MAX
+            ));
+            return None;
+        }
+        let mut items: [Option<AnyResult<'a>>; ResultList::MAX] = Default::default();
+        let mut ok = true;
+        for (i, item) in items.iter_mut().enumerate().take(rets.len()) {
+            match rets.take(i) {
+                Ok(r) => *item = Some(r),
+                Err(e) => {
+                    errors.push(e);
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(ResultList {
+            items,
+            len: rets.len(),
+        })
+    }
+}

@@ -155,6 +155,13 @@ impl FakeContext {
         Self::default()
     }
 
+    /// A context whose thread pool reports `num_threads` threads.
+    pub fn with_threads(num_threads: i64) -> Self {
+        let mut ctx = Self::default();
+        ctx.num_threads = num_threads;
+        ctx
+    }
+
     fn as_raw(&self) -> *mut XLA_FFI_ExecutionContext {
         (self as *const FakeContext).cast_mut().cast()
     }

@@ -19,6 +19,7 @@ pub mod error;
 pub mod fake;
 pub mod frame;
 pub mod metadata;
+pub mod parallel;
 pub mod sys;
 #[cfg(test)]
 mod tests;
@@ -26,7 +27,7 @@ pub mod trampoline;
 pub mod types;
 
 pub use attrs::{AttrValue, Attrs, DecodeAttrs, FromAttr, Scalar};
-pub use buffer::{AnyBuffer, AnyResult, ArgsView, Buffer, Operand, ResultBuffer};
+pub use buffer::{AnyBuffer, AnyResult, ArgsView, Buffer, Operand, ResultBuffer, ResultList};
 pub use bundle::{Bundle, BundleDef, Execute, Initialize, Instantiate, Prepare, Traits};
 pub use context::{Context, Stage, Stream};
 pub use dtype::{DataType, NativeType};

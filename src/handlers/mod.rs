@@ -1,6 +1,8 @@
 //! Handlers: the bundles this extension registers, per platform.
 
+pub mod cpu;
 pub mod error;
+pub mod math;
 pub mod scaled_copy;
 pub mod testing;
 
@@ -10,6 +12,8 @@ use crate::ffi::bundle::check_bundle;
 use crate::ffi::{BundleDef, StateTypeRegistration};
 
 const CPU_BUNDLES: &[BundleDef] = &[
+    cpu::FORWARD_BUNDLE,
+    cpu::BACKWARD_BUNDLE,
     scaled_copy::BUNDLE,
     testing::STAGES_BUNDLE,
     testing::CONTEXT_BUNDLE,

@@ -1,0 +1,612 @@
+//! RMS norm on CPU: the `rmsnorm_fwd` and `rmsnorm_bwd` bundles.
+//!
+//! Instantiate validates the attributes once and builds the state: the instruction set for
+//! this CPU, a pool of parallel-loop slots, and (backward) pools of weight-gradient partial
+//! rows. Execute checks the buffers against the attributes, cuts the rows into chunks that
+//! depend only on the shape ([`plan`]), and runs them on XLA's intra-op thread pool. After
+//! warm-up it allocates nothing.
+//!
+//! Weights may carry leading batch dimensions that are a prefix of x's (what `jax.vmap` with
+//! `vmap_method="broadcast_all"` produces when the weight is mapped too): rows are then split
+//! into that many contiguous groups, each with its own weight row and weight-gradient row.
+
+pub mod plan;
+pub mod simd;
+
+use half::{bf16, f16};
+
+use super::error::HandlerError;
+use super::math::{backward_row, forward_row, Accum, Element};
+use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
+use crate::ffi::{
+    AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
+    FfiResult, Instantiate, Operand, ResultList,
+};
+use crate::state::{LiveState, WorkspacePool};
+use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
+use simd::Kernel;
+
+pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
+pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
+/// Longest row accepted (keeps workspaces bounded).
+pub const MAX_ROW_LEN: i64 = 1 << 26;
+const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
+/// Column block of the weight-gradient reduction.
+const REDUCE_BLOCK: usize = 2048;
+
+crate::ffi_attrs! {
+    /// Attributes of `rmsnorm_fwd`.
+    pub struct ForwardAttrs {
+        /// Added to the mean square; finite and >= 0.
+        pub eps: f32,
+        /// Whether argument 1 is a weight.
+        pub has_weight: bool,
+        /// Length of the normalized (last) axis.
+        pub row_len: i64,
+    }
+}
+
+crate::ffi_attrs! {
+    /// Attributes of `rmsnorm_bwd`.
+    pub struct BackwardAttrs {
+        /// Whether argument 1 is a weight (and result 1 its gradient).
+        pub has_weight: bool,
+        /// Length of the normalized (last) axis.
+        pub row_len: i64,
+    }
+}
+
+/// Weight-gradient partial rows a backward pass may use for rows of `n`: up to
+/// [`MAX_BACKWARD_CHUNKS`], fewer for very long rows (at most 16M elements in all).
+fn partial_rows(n: usize) -> usize {
+    ((16 << 20) / n.max(1)).clamp(1, MAX_BACKWARD_CHUNKS)
+}
+
+fn check_row_len(row_len: i64) -> Result<usize, HandlerError> {
+    if !(0..=MAX_ROW_LEN).contains(&row_len) {
+        return Err(HandlerError::attribute(
+            "row_len",
+            format!("must be in 0..={MAX_ROW_LEN}, got {row_len}"),
+        ));
+    }
+    Ok(row_len as usize)
+}
+
+/// Per-call-site state of `rmsnorm_fwd`.
+pub struct ForwardState {
+    pub live: LiveState,
+    kernel: Kernel,
+    eps: f32,
+    has_weight: bool,
+    row_len: usize,
+    jobs: ParallelJobs,
+}
+crate::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
+
+/// Per-call-site state of `rmsnorm_bwd`.
+pub struct BackwardState {
+    pub live: LiveState,
+    kernel: Kernel,
+    has_weight: bool,
+    row_len: usize,
+    jobs: ParallelJobs,
+    /// Weight-gradient partial rows, one per chunk (f32 accumulation; f64 for f64 input).
+    partials_f32: WorkspacePool<f32>,
+    partials_f64: WorkspacePool<f64>,
+}
+crate::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
+
+pub struct Forward;
+impl Bundle for Forward {
+    const TARGET: &'static str = FORWARD_TARGET;
+    type State = ForwardState;
+}
+
+impl Instantiate for Forward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+        if !attrs.eps.is_finite() || attrs.eps < 0.0 {
+            return Err(HandlerError::attribute(
+                "eps",
+                format!("must be finite and >= 0, got {}", attrs.eps),
+            )
+            .into());
+        }
+        Ok(ForwardState {
+            live: LiveState::register(FORWARD_TARGET, "rmsnorm_ffi.RmsNormForwardState"),
+            kernel: Kernel::detect(),
+            eps: attrs.eps,
+            has_weight: attrs.has_weight,
+            row_len: check_row_len(attrs.row_len)?,
+            jobs: ParallelJobs::new(),
+        })
+    }
+}
+
+pub struct Backward;
+impl Bundle for Backward {
+    const TARGET: &'static str = BACKWARD_TARGET;
+    type State = BackwardState;
+}
+
+impl Instantiate for Backward {
+    type Attrs<'a> = BackwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: BackwardAttrs) -> FfiResult<BackwardState> {
+        let row_len = check_row_len(attrs.row_len)?;
+        let partial_len = if attrs.has_weight {
+            partial_rows(row_len) * row_len
+        } else {
+            0
+        };
+        Ok(BackwardState {
+            live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormBackwardState"),
+            kernel: Kernel::detect(),
+            has_weight: attrs.has_weight,
+            row_len,
+            jobs: ParallelJobs::new(),
+            partials_f32: WorkspacePool::new(partial_len, 64),
+            partials_f64: WorkspacePool::new(partial_len, 64),
+        })
+    }
+}
+
+/// The shape of a call, checked against the state's attributes.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    rows: usize,
+    n: usize,
+    /// Weight groups: 1, or the product of the weight's leading (batch) dimensions.
+    groups: usize,
+}
+
+impl Layout {
+    fn rows_per_group(&self) -> usize {
+        self.rows.checked_div(self.groups).unwrap_or(0)
+    }
+}
+
+/// The accumulator dtype for `x`'s dtype (the dtype of `rstd`).
+fn acc_dtype(x: DataType) -> DataType {
+    if x == DataType::F64 {
+        DataType::F64
+    } else {
+        DataType::F32
+    }
+}
+
+fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
+    if !X_DTYPES.contains(&x.dtype()) {
+        return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
+    }
+    let Some((&n, lead)) = x.dims().split_last() else {
+        return Err(HandlerError::shape(
+            x.operand(),
+            "a scalar has no rows; expected rank >= 1",
+        ));
+    };
+    if n as usize != row_len {
+        return Err(HandlerError::shape(
+            x.operand(),
+            format!("last axis has {n} elements but the call site was instantiated for row_len={row_len}"),
+        ));
+    }
+    Ok((lead.iter().product::<i64>() as usize, row_len))
+}
+
+fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>, rows: usize) -> Result<usize, HandlerError> {
+    if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
+        let accepted: &[DataType] = if x.dtype() == DataType::F32 {
+            &[DataType::F32]
+        } else {
+            &[x.dtype(), DataType::F32]
+        };
+        return Err(HandlerError::dtype(w.operand(), accepted, w.dtype()));
+    }
+    let (xd, wd) = (x.dims(), w.dims());
+    let k = wd.len().wrapping_sub(1);
+    if wd.is_empty() || k >= xd.len() || wd[k] != xd[xd.len() - 1] || wd[..k] != xd[..k] {
+        return Err(HandlerError::shape(
+            w.operand(),
+            format!(
+                "expected (n,) with n = {} (or x's leading batch dims then n), got {wd:?}",
+                xd[xd.len() - 1]
+            ),
+        ));
+    }
+    let groups = wd[..k].iter().product::<i64>() as usize;
+    Ok(if rows == 0 { groups.max(1) } else { groups })
+}
+
+fn expect(
+    operand: Operand,
+    dtype: DataType,
+    dims: &[i64],
+    want_dtype: DataType,
+    want_dims: &[i64],
+) -> Result<(), HandlerError> {
+    if dtype != want_dtype {
+        return Err(HandlerError::dtype(operand, &[want_dtype], dtype));
+    }
+    if dims != want_dims {
+        return Err(HandlerError::shape(
+            operand,
+            format!("expected {want_dims:?}, got {dims:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn result<'a>(list: &mut ResultList<'a>, index: usize) -> FfiResult<AnyResult<'a>> {
+    list.take(index)
+        .ok_or_else(|| FfiError::invalid_argument(format!("missing result {index}")))
+}
+
+fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
+    if got != want {
+        return Err(FfiError::invalid_argument(format!(
+            "wrong number of {what}: expected {want}, got {got}"
+        )));
+    }
+    Ok(())
+}
+
+/// One accumulator row of `n` per chunk, from the start of `scratch`.
+fn per_chunk_rows<A>(
+    scratch: &mut [A],
+    chunks: usize,
+    n: usize,
+) -> FfiResult<DisjointChunks<'_, A>> {
+    let bounds: [usize; MAX_CHUNKS + 1] = std::array::from_fn(|c| c.min(chunks) * n);
+    let len = chunks * n;
+    if scratch.len() < len {
+        return Err(FfiError::internal(format!(
+            "workspace of {} for {chunks} rows of {n}",
+            scratch.len()
+        )));
+    }
+    DisjointChunks::new(&mut scratch[..len], &bounds[..chunks + 1])
+}
+
+fn workers(ctx: &Context<'_>) -> usize {
+    ctx.num_threads()
+        .map(|n| n.clamp(1, 256) as usize)
+        .unwrap_or(1)
+}
+
+impl Execute for Forward {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ResultList<'a>;
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &ForwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_>,
+        mut rets: ResultList<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        count("arguments", args.len(), 1 + state.has_weight as usize)?;
+        count("results", rets.len(), 2)?;
+        let x = args.get(0)?;
+        let (rows, n) = check_x(&x, state.row_len)?;
+        let w = if state.has_weight {
+            Some(args.get(1)?)
+        } else {
+            None
+        };
+        let groups = match &w {
+            Some(w) => check_weight(&x, w, rows)?,
+            None => 1,
+        };
+        let (y, rstd) = (result(&mut rets, 0)?, result(&mut rets, 1)?);
+        expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
+        let lead = &x.dims()[..x.rank() - 1];
+        expect(
+            rstd.operand(),
+            rstd.dtype(),
+            rstd.dims(),
+            acc_dtype(x.dtype()),
+            lead,
+        )?;
+        let layout = Layout { rows, n, groups };
+        let call = ForwardCall { state, ctx, layout };
+        match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
+            (DataType::F32, None | Some(DataType::F32)) => call.run::<f32, f32, f32>(x, w, y, rstd),
+            (DataType::F64, None | Some(DataType::F64)) => call.run::<f64, f64, f64>(x, w, y, rstd),
+            (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(x, w, y, rstd),
+            (DataType::BF16, None | Some(DataType::BF16)) => {
+                call.run::<bf16, bf16, f32>(x, w, y, rstd)
+            }
+            (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(x, w, y, rstd),
+            (DataType::F16, None | Some(DataType::F16)) => call.run::<f16, f16, f32>(x, w, y, rstd),
+            (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(x, w, y, rstd),
+            (other, _) => Err(HandlerError::dtype(x.operand(), &X_DTYPES, other).into()),
+        }
+    }
+}
+
+struct ForwardCall<'s, 'c, 'a> {
+    state: &'s ForwardState,
+    ctx: &'c Context<'a>,
+    layout: Layout,
+}
+
+impl ForwardCall<'_, '_, '_> {
+    fn run<T: Element, W: Element, A: Accum>(
+        &self,
+        x: AnyBuffer<'_>,
+        w: Option<AnyBuffer<'_>>,
+        y: AnyResult<'_>,
+        rstd: AnyResult<'_>,
+    ) -> FfiResult<()> {
+        let Layout { rows, n, .. } = self.layout;
+        let x = x.as_slice::<T>()?;
+        let w = w.map(|w| w.as_slice::<W>()).transpose()?;
+        let y = y.into_mut_slice::<T>()?;
+        let rstd = rstd.into_mut_slice::<A>()?;
+        if n == 0 {
+            rstd.fill(A::NAN);
+            return Ok(());
+        }
+        let plan = Plan::split(rows, n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
+        let y_chunks = DisjointChunks::new(y, &plan.scaled(n)[..plan.count() + 1])?;
+        let rstd_chunks = DisjointChunks::new(rstd, plan.bounds())?;
+        let eps = A::from_f32(self.state.eps);
+        let per_group = self.layout.rows_per_group().max(1);
+        let kernel = self.state.kernel;
+        let body = |c: usize| {
+            let (Some(y), Some(rstd)) = (y_chunks.take(c), rstd_chunks.take(c)) else {
+                return;
+            };
+            let first = plan.start(c);
+            kernel.run(|| {
+                for (i, (y_row, r)) in y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate() {
+                    let row = first + i;
+                    let x_row = &x[row * n..(row + 1) * n];
+                    let w_row = w.map(|w| &w[(row / per_group) * n..][..n]);
+                    *r = forward_row::<T, W, A>(x_row, w_row, eps, y_row);
+                }
+            })
+        };
+        self.state
+            .jobs
+            .run(self.ctx, plan.count(), workers(self.ctx), &body)
+    }
+}
+
+impl Execute for Backward {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ResultList<'a>;
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &BackwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_>,
+        mut rets: ResultList<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        let has_w = state.has_weight as usize;
+        count("arguments", args.len(), 3 + has_w)?;
+        count("results", rets.len(), 1 + has_w)?;
+        let x = args.get(0)?;
+        let (rows, n) = check_x(&x, state.row_len)?;
+        let w = if state.has_weight {
+            Some(args.get(1)?)
+        } else {
+            None
+        };
+        let groups = match &w {
+            Some(w) => check_weight(&x, w, rows)?,
+            None => 1,
+        };
+        let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
+        let lead = &x.dims()[..x.rank() - 1];
+        expect(
+            rstd.operand(),
+            rstd.dtype(),
+            rstd.dims(),
+            acc_dtype(x.dtype()),
+            lead,
+        )?;
+        expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
+        let dx = result(&mut rets, 0)?;
+        expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;
+        let dw = match &w {
+            Some(w) => {
+                let dw = result(&mut rets, 1)?;
+                expect(dw.operand(), dw.dtype(), dw.dims(), w.dtype(), w.dims())?;
+                Some(dw)
+            }
+            None => None,
+        };
+        let call = BackwardCall {
+            state,
+            ctx,
+            layout: Layout { rows, n, groups },
+        };
+        let ops = BackwardOperands {
+            x,
+            w,
+            rstd,
+            dy,
+            dx,
+            dw,
+        };
+        match (ops.x.dtype(), ops.w.as_ref().map(|w| w.dtype())) {
+            (DataType::F32, None | Some(DataType::F32)) => {
+                call.run::<f32, f32, f32>(ops, &state.partials_f32)
+            }
+            (DataType::F64, None | Some(DataType::F64)) => {
+                call.run::<f64, f64, f64>(ops, &state.partials_f64)
+            }
+            (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(ops, &state.partials_f64),
+            (DataType::BF16, None | Some(DataType::BF16)) => {
+                call.run::<bf16, bf16, f32>(ops, &state.partials_f32)
+            }
+            (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(ops, &state.partials_f32),
+            (DataType::F16, None | Some(DataType::F16)) => {
+                call.run::<f16, f16, f32>(ops, &state.partials_f32)
+            }
+            (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(ops, &state.partials_f32),
+            (other, _) => Err(HandlerError::dtype(ops.x.operand(), &X_DTYPES, other).into()),
+        }
+    }
+}
+
+struct BackwardOperands<'a> {
+    x: AnyBuffer<'a>,
+    w: Option<AnyBuffer<'a>>,
+    rstd: AnyBuffer<'a>,
+    dy: AnyBuffer<'a>,
+    dx: AnyResult<'a>,
+    dw: Option<AnyResult<'a>>,
+}
+
+struct BackwardCall<'s, 'c, 'a> {
+    state: &'s BackwardState,
+    ctx: &'c Context<'a>,
+    layout: Layout,
+}
+
+impl BackwardCall<'_, '_, '_> {
+    fn run<T: Element, W: Element, A: Accum>(
+        &self,
+        ops: BackwardOperands<'_>,
+        partials: &WorkspacePool<A>,
+    ) -> FfiResult<()> {
+        let Layout { rows, n, groups } = self.layout;
+        let x = ops.x.as_slice::<T>()?;
+        let w = ops.w.map(|w| w.as_slice::<W>()).transpose()?;
+        let rstd = ops.rstd.as_slice::<A>()?;
+        let dy = ops.dy.as_slice::<T>()?;
+        let dx = ops.dx.into_mut_slice::<T>()?;
+        let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
+        let kernel = self.state.kernel;
+        let workers = workers(self.ctx);
+        let rows_per_group = self.layout.rows_per_group().max(1);
+        let row = |r: usize, dx_row: &mut [T], acc: Option<&mut [A]>| {
+            let w_row = w.map(|w| &w[(r / rows_per_group) * n..][..n]);
+            let span = r * n..(r + 1) * n;
+            backward_row::<T, W, A>(&x[span.clone()], w_row, rstd[r], &dy[span], dx_row, acc);
+        };
+
+        let Some(dw) = dw else {
+            // No weight: only dx, rows in any chunks.
+            if n == 0 {
+                return Ok(());
+            }
+            let plan = Plan::split(rows, n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
+            let dx_chunks = DisjointChunks::new(dx, &plan.scaled(n)[..plan.count() + 1])?;
+            let body = |c: usize| {
+                let Some(dx) = dx_chunks.take(c) else { return };
+                let first = plan.start(c);
+                kernel.run(|| {
+                    for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
+                        row(first + i, dx_row, None);
+                    }
+                })
+            };
+            return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
+        };
+
+        if n == 0 {
+            return Ok(());
+        }
+        if rows == 0 {
+            dw.fill(W::default());
+            return Ok(());
+        }
+        let mut scratch = partials.checkout();
+        if groups > 1 {
+            // One weight row per group: chunks are whole groups, each group's gradient is
+            // summed over its rows in order, and no cross-chunk reduction is needed.
+            let per_group = self.layout.rows_per_group();
+            let plan = Plan::split(
+                groups,
+                per_group * n,
+                FORWARD_CHUNK_ELEMENTS,
+                partial_rows(n),
+            );
+            let dx_chunks =
+                DisjointChunks::new(dx, &plan.scaled(per_group * n)[..plan.count() + 1])?;
+            let dw_chunks = DisjointChunks::new(dw, &plan.scaled(n)[..plan.count() + 1])?;
+            let acc_chunks = per_chunk_rows(&mut scratch, plan.count(), n)?;
+            let body = |c: usize| {
+                let (Some(dx), Some(dw), Some(acc)) =
+                    (dx_chunks.take(c), dw_chunks.take(c), acc_chunks.take(c))
+                else {
+                    return;
+                };
+                let first_group = plan.start(c);
+                kernel.run(|| {
+                    for (gi, (dx_group, dw_row)) in dx
+                        .chunks_exact_mut(per_group * n)
+                        .zip(dw.chunks_exact_mut(n))
+                        .enumerate()
+                    {
+                        acc.fill(A::ZERO);
+                        let first_row = (first_group + gi) * per_group;
+                        for (i, dx_row) in dx_group.chunks_exact_mut(n).enumerate() {
+                            row(first_row + i, dx_row, Some(&mut *acc));
+                        }
+                        for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
+                            *o = a.store();
+                        }
+                    }
+                })
+            };
+            return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
+        }
+
+        // One weight row: each chunk sums its rows' contributions into its own partial row,
+        // then the partial rows are added in chunk order, column block by column block.
+        let plan = Plan::backward(rows, n, partial_rows(n));
+        let chunks = plan.count();
+        {
+            let dx_chunks = DisjointChunks::new(dx, &plan.scaled(n)[..chunks + 1])?;
+            let acc_chunks = per_chunk_rows(&mut scratch, chunks, n)?;
+            let body = |c: usize| {
+                let (Some(dx), Some(acc)) = (dx_chunks.take(c), acc_chunks.take(c)) else {
+                    return;
+                };
+                let first = plan.start(c);
+                kernel.run(|| {
+                    acc.fill(A::ZERO);
+                    for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
+                        row(first + i, dx_row, Some(&mut *acc));
+                    }
+                })
+            };
+            self.state.jobs.run(self.ctx, chunks, workers, &body)?;
+        }
+        let partial = &scratch[..chunks * n];
+        let blocks = Plan::split(n, 1, REDUCE_BLOCK, MAX_CHUNKS);
+        let dw_chunks = DisjointChunks::new(dw, blocks.bounds())?;
+        let body = |b: usize| {
+            let Some(out) = dw_chunks.take(b) else { return };
+            let first = blocks.start(b);
+            kernel.run(|| {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let col = first + j;
+                    let mut sum = A::ZERO;
+                    for c in 0..chunks {
+                        sum = sum + partial[c * n + col];
+                    }
+                    *o = sum.store();
+                }
+            })
+        };
+        self.state
+            .jobs
+            .run(self.ctx, blocks.count(), workers, &body)
+    }
+}
+
+pub const FORWARD_BUNDLE: BundleDef = BundleDef::of::<Forward>().instantiate().execute().build();
+pub const BACKWARD_BUNDLE: BundleDef = BundleDef::of::<Backward>().instantiate().execute().build();
+
+#[cfg(test)]
+mod tests;

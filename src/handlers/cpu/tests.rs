@@ -1,0 +1,365 @@
+//! Tests of the CPU RMS norm: each instruction set against the scalar path, and the bundles
+//! through the fake runtime against a float64 reference.
+
+use half::{bf16, f16};
+
+use super::simd::Kernel;
+use super::*;
+use crate::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use crate::ffi::{NativeType, Stage, StateType};
+use crate::handlers::math;
+
+/// Deterministic pseudo-random values in [-2, 2).
+fn values(count: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..count)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u64> {
+    v.iter().map(|x| x.to_f64().to_bits()).collect()
+}
+
+fn kernel_results<T: Element, W: Element, A: Accum>(
+    kernel: Kernel,
+    n: usize,
+) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+    let x: Vec<T> = values(n, 1).into_iter().map(T::from_f32).collect();
+    let w: Vec<W> = values(n, 2)
+        .into_iter()
+        .map(|v| W::from_f32(v + 2.5))
+        .collect();
+    let dy: Vec<T> = values(n, 3).into_iter().map(T::from_f32).collect();
+    let mut y = vec![T::default(); n];
+    let mut dx = vec![T::default(); n];
+    let mut acc = vec![A::ZERO; n];
+    kernel.run(|| {
+        let r = math::forward_row::<T, W, A>(&x, Some(&w), A::from_f32(1e-5), &mut y);
+        math::backward_row::<T, W, A>(&x, Some(&w), r, &dy, &mut dx, Some(&mut acc));
+    });
+    (
+        bits(&y),
+        bits(&dx),
+        acc.iter().map(|a| a.store::<f64>().to_bits()).collect(),
+    )
+}
+
+#[test]
+fn every_instruction_set_matches_the_scalar_path_bit_for_bit() {
+    let kernels = Kernel::available();
+    assert!(!kernels.is_empty());
+    for n in [1usize, 7, 16, 17, 128, 4097] {
+        for kernel in &kernels {
+            assert_eq!(
+                kernel_results::<f32, f32, f32>(*kernel, n),
+                kernel_results::<f32, f32, f32>(Kernel::Scalar, n),
+                "{kernel:?} f32 n={n}"
+            );
+            assert_eq!(
+                kernel_results::<bf16, bf16, f32>(*kernel, n),
+                kernel_results::<bf16, bf16, f32>(Kernel::Scalar, n),
+                "{kernel:?} bf16 n={n}"
+            );
+            assert_eq!(
+                kernel_results::<f16, f32, f32>(*kernel, n),
+                kernel_results::<f16, f32, f32>(Kernel::Scalar, n),
+                "{kernel:?} f16 n={n}"
+            );
+            assert_eq!(
+                kernel_results::<f64, f64, f64>(*kernel, n),
+                kernel_results::<f64, f64, f64>(Kernel::Scalar, n),
+                "{kernel:?} f64 n={n}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bundles through the fake runtime
+// ---------------------------------------------------------------------------------------------
+
+fn register() {
+    fake::register_type(ForwardState::registration());
+    fake::register_type(BackwardState::registration());
+}
+
+fn instantiate(
+    ctx: &FakeContext,
+    def: &BundleDef,
+    attrs: Vec<(&str, OwnedAttr)>,
+) -> Result<(), String> {
+    let mut b = FrameBuilder::new(Stage::Instantiate);
+    for (k, v) in attrs {
+        b = b.attr(k, v);
+    }
+    b.build(ctx)
+        .call(def.handler(Stage::Instantiate).unwrap())
+        .map_err(|e| e.1)
+}
+
+/// float64 reference: (y, rstd, dx, dw).
+fn reference(
+    x: &[f64],
+    w: &[f64],
+    dy: &[f64],
+    n: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let rows = x.len().checked_div(n).unwrap_or(0);
+    let (mut y, mut rstd, mut dx, mut dw) = (
+        vec![0.0; x.len()],
+        vec![0.0; rows],
+        vec![0.0; x.len()],
+        vec![0.0; n],
+    );
+    for r in 0..rows {
+        let xs = &x[r * n..(r + 1) * n];
+        let ms = xs.iter().map(|v| v * v).sum::<f64>() / n as f64;
+        let rs = 1.0 / (ms + eps).sqrt();
+        rstd[r] = rs;
+        let c = (0..n)
+            .map(|j| dy[r * n + j] * w[j] * xs[j] * rs)
+            .sum::<f64>()
+            / n as f64;
+        for j in 0..n {
+            let xhat = xs[j] * rs;
+            y[r * n + j] = xhat * w[j];
+            dx[r * n + j] = rs * (dy[r * n + j] * w[j] - xhat * c);
+            dw[j] += dy[r * n + j] * xhat;
+        }
+    }
+    (y, rstd, dx, dw)
+}
+
+fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w}"
+        );
+    }
+}
+
+fn as_f64<T: Element>(b: &OwnedBuffer) -> Vec<f64> {
+    b.values::<T>().into_iter().map(|v| v.to_f64()).collect()
+}
+
+/// Runs forward then backward with weight through the fake runtime; returns (y, rstd, dx, dw).
+fn run_both<T: Element + NativeType>(ctx: &FakeContext, dims: &[i64], seed: u64) -> [Vec<f64>; 4] {
+    let n = *dims.last().unwrap() as usize;
+    let count: usize = dims.iter().product::<i64>() as usize;
+    let lead = &dims[..dims.len() - 1];
+    let acc = if T::DTYPE == DataType::F64 {
+        DataType::F64
+    } else {
+        DataType::F32
+    };
+    let x: Vec<T> = values(count, seed).into_iter().map(T::from_f32).collect();
+    let w: Vec<T> = values(n, seed + 1)
+        .into_iter()
+        .map(|v| T::from_f32(v + 2.5))
+        .collect();
+    let dy: Vec<T> = values(count, seed + 2)
+        .into_iter()
+        .map(T::from_f32)
+        .collect();
+    let attrs = |fwd: bool| {
+        let mut a = vec![
+            ("has_weight", OwnedAttr::pred(true)),
+            ("row_len", OwnedAttr::scalar(n as i64)),
+        ];
+        if fwd {
+            a.push(("eps", OwnedAttr::scalar(1e-5f32)));
+        }
+        a
+    };
+    let fwd_ctx = FakeContext::with_threads(ctx.num_threads);
+    instantiate(&fwd_ctx, &FORWARD_BUNDLE, attrs(true)).unwrap();
+    let mut f = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(dims, &x))
+        .arg(OwnedBuffer::from_values(&[n as i64], &w))
+        .ret(OwnedBuffer::zeros(T::DTYPE, dims))
+        .ret(OwnedBuffer::zeros(acc, lead))
+        .build(&fwd_ctx);
+    f.call(FORWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .unwrap();
+    let y = as_f64::<T>(f.result(0));
+    let rstd_buf = f.result(1).clone();
+    instantiate(ctx, &BACKWARD_BUNDLE, attrs(false)).unwrap();
+    let mut b = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(dims, &x))
+        .arg(OwnedBuffer::from_values(&[n as i64], &w))
+        .arg(rstd_buf.clone())
+        .arg(OwnedBuffer::from_values(dims, &dy))
+        .ret(OwnedBuffer::zeros(T::DTYPE, dims))
+        .ret(OwnedBuffer::zeros(T::DTYPE, &[n as i64]))
+        .build(ctx);
+    b.call(BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .unwrap();
+    let rstd = if acc == DataType::F64 {
+        as_f64::<f64>(&rstd_buf)
+    } else {
+        as_f64::<f32>(&rstd_buf)
+    };
+    [y, rstd, as_f64::<T>(b.result(0)), as_f64::<T>(b.result(1))]
+}
+
+fn check_against_reference<T: Element + NativeType>(dims: &[i64], tol: f64) {
+    register();
+    let ctx = FakeContext::with_threads(3);
+    let [y, rstd, dx, dw] = run_both::<T>(&ctx, dims, 7);
+    let n = *dims.last().unwrap() as usize;
+    let count: usize = dims.iter().product::<i64>() as usize;
+    let x: Vec<f64> = values(count, 7)
+        .into_iter()
+        .map(|v| T::from_f32(v).to_f64())
+        .collect();
+    let w: Vec<f64> = values(n, 8)
+        .into_iter()
+        .map(|v| T::from_f32(v + 2.5).to_f64())
+        .collect();
+    let dy: Vec<f64> = values(count, 9)
+        .into_iter()
+        .map(|v| T::from_f32(v).to_f64())
+        .collect();
+    let (ry, rr, rdx, rdw) = reference(&x, &w, &dy, n, 1e-5);
+    close(&y, &ry, tol, "y");
+    close(&rstd, &rr, tol, "rstd");
+    close(&dx, &rdx, tol, "dx");
+    close(&dw, &rdw, tol * (count / n.max(1)).max(1) as f64, "dw");
+}
+
+#[test]
+fn bundles_match_a_float64_reference() {
+    for dims in [&[3, 5][..], &[300, 64], &[2, 3, 129], &[1], &[4, 1]] {
+        check_against_reference::<f32>(dims, 2e-5);
+        check_against_reference::<f64>(dims, 1e-12);
+        check_against_reference::<bf16>(dims, 2e-2);
+        check_against_reference::<f16>(dims, 4e-3);
+    }
+}
+
+#[test]
+fn weight_gradient_is_bitwise_identical_whatever_the_thread_count() {
+    register();
+    let dims = [512, 256];
+    let runs: Vec<Vec<u64>> = [1, 2, 4, 7]
+        .iter()
+        .map(|&threads| {
+            let ctx = FakeContext::with_threads(threads);
+            let [_, _, dx, dw] = run_both::<f32>(&ctx, &dims, 11);
+            dx.iter().chain(&dw).map(|v| v.to_bits()).collect()
+        })
+        .collect();
+    assert!(runs.windows(2).all(|w| w[0] == w[1]));
+}
+
+#[test]
+fn attributes_are_validated_at_instantiation() {
+    register();
+    let ctx = FakeContext::new();
+    let bad_eps = |eps: f32| {
+        instantiate(
+            &ctx,
+            &FORWARD_BUNDLE,
+            vec![
+                ("eps", OwnedAttr::scalar(eps)),
+                ("has_weight", OwnedAttr::pred(false)),
+                ("row_len", OwnedAttr::scalar(4i64)),
+            ],
+        )
+        .unwrap_err()
+    };
+    assert!(bad_eps(-1.0).contains("invalid attribute `eps`: must be finite and >= 0, got -1"));
+    assert!(bad_eps(f32::NAN).contains("got NaN"));
+    assert!(bad_eps(f32::INFINITY).contains("got inf"));
+    let err = instantiate(
+        &ctx,
+        &BACKWARD_BUNDLE,
+        vec![
+            ("has_weight", OwnedAttr::pred(true)),
+            ("row_len", OwnedAttr::scalar(-3i64)),
+        ],
+    )
+    .unwrap_err();
+    assert!(err.contains("invalid attribute `row_len`"), "{err}");
+}
+
+#[test]
+fn execute_checks_buffers_against_the_attributes() {
+    register();
+    let ctx = FakeContext::new();
+    instantiate(
+        &ctx,
+        &FORWARD_BUNDLE,
+        vec![
+            ("eps", OwnedAttr::scalar(1e-5f32)),
+            ("has_weight", OwnedAttr::pred(true)),
+            ("row_len", OwnedAttr::scalar(4i64)),
+        ],
+    )
+    .unwrap();
+    let call = |x: OwnedBuffer, w: OwnedBuffer, rstd: OwnedBuffer| {
+        let dims = x.dims.clone();
+        let dtype = crate::ffi::DataType::from_raw(x.dtype);
+        FrameBuilder::new(Stage::Execute)
+            .arg(x)
+            .arg(w)
+            .ret(OwnedBuffer::zeros(dtype, &dims))
+            .ret(rstd)
+            .build(&ctx)
+            .call(FORWARD_BUNDLE.handler(Stage::Execute).unwrap())
+            .unwrap_err()
+            .1
+    };
+    let x = OwnedBuffer::from_values(&[2, 4], &[1.0f32; 8]);
+    let w = OwnedBuffer::from_values(&[4], &[1.0f32; 4]);
+    let rstd = OwnedBuffer::zeros(DataType::F32, &[2]);
+    let e = call(
+        OwnedBuffer::from_values(&[2, 3], &[1.0f32; 6]),
+        w.clone(),
+        rstd.clone(),
+    );
+    assert!(
+        e.contains("last axis has 3 elements but the call site was instantiated for row_len=4"),
+        "{e}"
+    );
+    let e = call(
+        x.clone(),
+        OwnedBuffer::from_values(&[4], &[1.0f64; 4]),
+        rstd.clone(),
+    );
+    assert!(
+        e.contains("wrong dtype for argument 1: expected F32, got F64"),
+        "{e}"
+    );
+    let e = call(
+        x.clone(),
+        OwnedBuffer::from_values(&[2, 2], &[1.0f32; 4]),
+        rstd.clone(),
+    );
+    assert!(e.contains("wrong shape for argument 1"), "{e}");
+    let e = call(
+        x.clone(),
+        w.clone(),
+        OwnedBuffer::zeros(DataType::F64, &[2]),
+    );
+    assert!(
+        e.contains("wrong dtype for result 1: expected F32, got F64"),
+        "{e}"
+    );
+    let e = call(OwnedBuffer::from_values(&[2, 4], &[1i32; 8]), w, rstd);
+    assert!(
+        e.contains("wrong dtype for argument 0: expected one of F32, F64, BF16, F16, got S32"),
+        "{e}"
+    );
+}

@@ -1,0 +1,406 @@
+//! RMS norm math shared by the platforms: element types, accumulation, and one row of the
+//! forward and backward passes.
+//!
+//! Forward: `rstd = 1 / sqrt(mean(x^2) + eps)`, `y = x * rstd * w`.
+//! Backward, with `xhat = x * rstd` and `g = dy * w`:
+//! `dx = rstd * (g - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`.
+//!
+//! Elements are widened to the accumulator type (f32, or f64 for f64 input) on load and
+//! narrowed on store. Sums use [`LANES`] independent accumulators added in a fixed tree order,
+//! so they vectorize, and so the result does not depend on the instruction set that runs them.
+//! Every function here is `#[inline(always)]`: it is compiled into the caller's SIMD context
+//! (see `cpu::simd`).
+
+use std::ops::{Add, Div, Mul, Sub};
+
+use half::{bf16, f16};
+
+use crate::ffi::NativeType;
+
+/// Independent partial sums per reduction (a multiple of every SIMD width used).
+pub const LANES: usize = 16;
+
+/// An accumulator type: f32 or f64.
+pub trait Accum:
+    NativeType
+    + Copy
+    + Send
+    + Sync
+    + Default
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + 'static
+{
+    const ZERO: Self;
+    const ONE: Self;
+    const NAN: Self;
+    fn from_usize(n: usize) -> Self;
+    fn from_f32(v: f32) -> Self;
+    fn sqrt(self) -> Self;
+    fn load<E: Element>(e: E) -> Self;
+    fn store<E: Element>(self) -> E;
+}
+
+impl Accum for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NAN: Self = f32::NAN;
+    #[inline(always)]
+    fn from_usize(n: usize) -> Self {
+        n as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    #[inline(always)]
+    fn load<E: Element>(e: E) -> Self {
+        e.to_f32()
+    }
+    #[inline(always)]
+    fn store<E: Element>(self) -> E {
+        E::from_f32(self)
+    }
+}
+
+impl Accum for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NAN: Self = f64::NAN;
+    #[inline(always)]
+    fn from_usize(n: usize) -> Self {
+        n as f64
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as f64
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    #[inline(always)]
+    fn load<E: Element>(e: E) -> Self {
+        e.to_f64()
+    }
+    #[inline(always)]
+    fn store<E: Element>(self) -> E {
+        E::from_f64(self)
+    }
+}
+
+/// A floating-point element type of x, weight, dy and the outputs.
+pub trait Element: NativeType + Default {
+    fn to_f32(self) -> f32;
+    fn to_f64(self) -> f64;
+    fn from_f32(v: f32) -> Self;
+    fn from_f64(v: f64) -> Self;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Element for f64 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as f64
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+
+/// bf16 -> f32 is exact: the bf16 bits are the top half of the f32's.
+#[inline(always)]
+fn bf16_to_f32(v: bf16) -> f32 {
+    f32::from_bits((v.to_bits() as u32) << 16)
+}
+
+/// f32 -> bf16, rounding to nearest even, NaN kept quiet: the same results as
+/// `half::bf16::from_f32`, written branch-free so that it vectorizes.
+#[inline(always)]
+fn f32_to_bf16(v: f32) -> bf16 {
+    let bits = v.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let nan = ((bits >> 16) as u16) | 0x0040;
+    bf16::from_bits(if v.is_nan() { nan } else { rounded })
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        bf16_to_f32(self) as f64
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f32_to_bf16(v)
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+
+/// Adds the [`LANES`] partial sums in a fixed tree order.
+#[inline(always)]
+fn tree_sum<A: Accum>(mut acc: [A; LANES]) -> A {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            acc[i] = acc[i] + acc[i + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
+/// `sum(x^2)`.
+#[inline(always)]
+pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> A {
+    let mut acc = [A::ZERO; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for i in 0..LANES {
+            let v = A::load(c[i]);
+            acc[i] = acc[i] + v * v;
+        }
+    }
+    for (i, &e) in tail.iter().enumerate() {
+        let v = A::load(e);
+        acc[i] = acc[i] + v * v;
+    }
+    tree_sum(acc)
+}
+
+/// `1 / sqrt(mean(x^2) + eps)`; NaN for an empty row, as `jnp.mean` of nothing.
+#[inline(always)]
+pub fn rstd<T: Element, A: Accum>(x: &[T], eps: A) -> A {
+    if x.is_empty() {
+        return A::NAN;
+    }
+    let mean = sum_squares::<T, A>(x) / A::from_usize(x.len());
+    A::ONE / (mean + eps).sqrt()
+}
+
+/// One row of the forward pass; returns the row's `rstd`.
+#[inline(always)]
+pub fn forward_row<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    eps: A,
+    y: &mut [T],
+) -> A {
+    let r = rstd::<T, A>(x, eps);
+    match w {
+        Some(w) => {
+            for ((o, &xi), &wi) in y.iter_mut().zip(x).zip(w) {
+                *o = (A::load(xi) * r * A::load(wi)).store();
+            }
+        }
+        None => {
+            for (o, &xi) in y.iter_mut().zip(x) {
+                *o = (A::load(xi) * r).store();
+            }
+        }
+    }
+    r
+}
+
+/// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // indexing three slices in lockstep vectorizes best
+fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> A {
+    let mut acc = [A::ZERO; LANES];
+    let n = x.len();
+    let full = n - n % LANES;
+    match w {
+        Some(w) => {
+            for base in (0..full).step_by(LANES) {
+                for i in 0..LANES {
+                    let j = base + i;
+                    let g = A::load(dy[j]) * A::load(w[j]);
+                    acc[i] = acc[i] + g * (A::load(x[j]) * r);
+                }
+            }
+            for j in full..n {
+                let g = A::load(dy[j]) * A::load(w[j]);
+                acc[j - full] = acc[j - full] + g * (A::load(x[j]) * r);
+            }
+        }
+        None => {
+            for base in (0..full).step_by(LANES) {
+                for i in 0..LANES {
+                    let j = base + i;
+                    acc[i] = acc[i] + A::load(dy[j]) * (A::load(x[j]) * r);
+                }
+            }
+            for j in full..n {
+                acc[j - full] = acc[j - full] + A::load(dy[j]) * (A::load(x[j]) * r);
+            }
+        }
+    }
+    tree_sum(acc)
+}
+
+/// One row of the backward pass: writes `dx` and, when `dw_acc` is given, adds this row's
+/// `dy * xhat` to it.
+#[inline(always)]
+pub fn backward_row<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    r: A,
+    dy: &[T],
+    dx: &mut [T],
+    dw_acc: Option<&mut [A]>,
+) {
+    let n = x.len();
+    if n == 0 {
+        return;
+    }
+    let c = dot_g_xhat(x, w, dy, r) / A::from_usize(n);
+    match w {
+        Some(w) => {
+            for j in 0..n {
+                let xhat = A::load(x[j]) * r;
+                let g = A::load(dy[j]) * A::load(w[j]);
+                dx[j] = (r * (g - xhat * c)).store();
+            }
+        }
+        None => {
+            for j in 0..n {
+                let xhat = A::load(x[j]) * r;
+                dx[j] = (r * (A::load(dy[j]) - xhat * c)).store();
+            }
+        }
+    }
+    if let Some(acc) = dw_acc {
+        for j in 0..n {
+            acc[j] = acc[j] + A::load(dy[j]) * (A::load(x[j]) * r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_matches_half() {
+        let mut values = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::from_bits(0x3f80_8000), // 1 + 2^-8: a tie, rounds to even
+            f32::from_bits(0x3f81_8000), // a tie that rounds up
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+        ];
+        values.extend([f32::INFINITY, f32::NEG_INFINITY, 3.4e38, -2.5e-3]);
+        for i in 0..100_000u32 {
+            values.push(f32::from_bits(i.wrapping_mul(2_654_435_761)));
+        }
+        for v in values {
+            let ours = f32_to_bf16(v);
+            let theirs = bf16::from_f32(v);
+            if v.is_nan() {
+                assert!(ours.is_nan());
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{v:e}");
+            }
+            assert_eq!(bf16_to_f32(theirs).to_bits(), theirs.to_f32().to_bits());
+        }
+    }
+
+    #[test]
+    fn row_math_matches_a_float64_reference() {
+        let n = 37;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) / 3.0).collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 5) as f32 / 4.0).collect();
+        let dy: Vec<f32> = (0..n).map(|i| ((i * 3 % 13) as f32 - 6.0) / 7.0).collect();
+        let eps = 1e-5;
+        let mut y = vec![0.0f32; n];
+        let r = forward_row::<f32, f32, f32>(&x, Some(&w), eps, &mut y);
+        let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n as f64;
+        let r64 = 1.0 / (ms + eps as f64).sqrt();
+        assert!((r as f64 - r64).abs() < 1e-6 * r64);
+        for j in 0..n {
+            let want = x[j] as f64 * r64 * w[j] as f64;
+            assert!((y[j] as f64 - want).abs() < 1e-5, "{j}");
+        }
+        let mut dx = vec![0.0f32; n];
+        let mut dw = vec![0.0f32; n];
+        backward_row::<f32, f32, f32>(&x, Some(&w), r, &dy, &mut dx, Some(&mut dw));
+        let c: f64 = (0..n)
+            .map(|j| dy[j] as f64 * w[j] as f64 * x[j] as f64 * r64)
+            .sum::<f64>()
+            / n as f64;
+        for j in 0..n {
+            let xhat = x[j] as f64 * r64;
+            let want_dx = r64 * (dy[j] as f64 * w[j] as f64 - xhat * c);
+            assert!((dx[j] as f64 - want_dx).abs() < 1e-5, "dx {j}");
+            assert!((dw[j] as f64 - dy[j] as f64 * xhat).abs() < 1e-5, "dw {j}");
+        }
+    }
+
+    #[test]
+    fn empty_row_has_nan_rstd() {
+        assert!(rstd::<f32, f32>(&[], 1e-5).is_nan());
+    }
+}
