@@ -213,17 +213,16 @@ fn tree_sum<A: Accum>(mut acc: [A; LANES]) -> A {
 #[inline(always)]
 pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> A {
     let mut acc = [A::ZERO; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for i in 0..LANES {
-            let v = A::load(c[i]);
-            acc[i] = acc[i] + v * v;
+    let (blocks, tail) = x.as_chunks::<LANES>();
+    for block in blocks {
+        for (a, &e) in acc.iter_mut().zip(block) {
+            let v = A::load(e);
+            *a = *a + v * v;
         }
     }
-    for (i, &e) in tail.iter().enumerate() {
+    for (a, &e) in acc.iter_mut().zip(tail) {
         let v = A::load(e);
-        acc[i] = acc[i] + v * v;
+        *a = *a + v * v;
     }
     tree_sum(acc)
 }
@@ -262,36 +261,41 @@ pub fn forward_row<T: Element, W: Element, A: Accum>(
     r
 }
 
+/// `g = dy * w`, or `dy` without a weight.
+#[inline(always)]
+fn grad_out<T: Element, W: Element, A: Accum>(dy: T, w: Option<W>) -> A {
+    match w {
+        Some(w) => A::load(dy) * A::load(w),
+        None => A::load(dy),
+    }
+}
+
 /// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // indexing three slices in lockstep vectorizes best
 fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> A {
     let mut acc = [A::ZERO; LANES];
-    let n = x.len();
-    let full = n - n % LANES;
+    let (xb, xt) = x.as_chunks::<LANES>();
+    let (db, dt) = dy.as_chunks::<LANES>();
     match w {
         Some(w) => {
-            for base in (0..full).step_by(LANES) {
-                for i in 0..LANES {
-                    let j = base + i;
-                    let g = A::load(dy[j]) * A::load(w[j]);
-                    acc[i] = acc[i] + g * (A::load(x[j]) * r);
+            let (wb, wt) = w.as_chunks::<LANES>();
+            for ((xs, ds), ws) in xb.iter().zip(db).zip(wb) {
+                for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xs).zip(ds).zip(ws) {
+                    *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
                 }
             }
-            for j in full..n {
-                let g = A::load(dy[j]) * A::load(w[j]);
-                acc[j - full] = acc[j - full] + g * (A::load(x[j]) * r);
+            for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xt).zip(dt).zip(wt) {
+                *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
             }
         }
         None => {
-            for base in (0..full).step_by(LANES) {
-                for i in 0..LANES {
-                    let j = base + i;
-                    acc[i] = acc[i] + A::load(dy[j]) * (A::load(x[j]) * r);
+            for (xs, ds) in xb.iter().zip(db) {
+                for ((a, &xi), &di) in acc.iter_mut().zip(xs).zip(ds) {
+                    *a = *a + A::load(di) * (A::load(xi) * r);
                 }
             }
-            for j in full..n {
-                acc[j - full] = acc[j - full] + A::load(dy[j]) * (A::load(x[j]) * r);
+            for ((a, &xi), &di) in acc.iter_mut().zip(xt).zip(dt) {
+                *a = *a + A::load(di) * (A::load(xi) * r);
             }
         }
     }
@@ -314,24 +318,35 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
         return;
     }
     let c = dot_g_xhat(x, w, dy, r) / A::from_usize(n);
-    match w {
-        Some(w) => {
-            for j in 0..n {
-                let xhat = A::load(x[j]) * r;
-                let g = A::load(dy[j]) * A::load(w[j]);
-                dx[j] = (r * (g - xhat * c)).store();
+    // One pass writes dx and, with a weight, accumulates dy * xhat: x and dy are read once
+    // more, from cache.
+    match (w, dw_acc) {
+        (Some(w), Some(acc)) => {
+            for ((((o, a), &xi), &di), &wi) in
+                dx.iter_mut().zip(acc.iter_mut()).zip(x).zip(dy).zip(w)
+            {
+                let xhat = A::load(xi) * r;
+                let d = A::load(di);
+                *o = (r * (d * A::load(wi) - xhat * c)).store();
+                *a = *a + d * xhat;
             }
         }
-        None => {
-            for j in 0..n {
-                let xhat = A::load(x[j]) * r;
-                dx[j] = (r * (A::load(dy[j]) - xhat * c)).store();
+        (Some(w), None) => {
+            for (((o, &xi), &di), &wi) in dx.iter_mut().zip(x).zip(dy).zip(w) {
+                let xhat = A::load(xi) * r;
+                *o = (r * (A::load(di) * A::load(wi) - xhat * c)).store();
             }
         }
-    }
-    if let Some(acc) = dw_acc {
-        for j in 0..n {
-            acc[j] = acc[j] + A::load(dy[j]) * (A::load(x[j]) * r);
+        (None, acc) => {
+            for ((o, &xi), &di) in dx.iter_mut().zip(x).zip(dy) {
+                let xhat = A::load(xi) * r;
+                *o = (r * (A::load(di) - xhat * c)).store();
+            }
+            if let Some(acc) = acc {
+                for ((a, &xi), &di) in acc.iter_mut().zip(x).zip(dy) {
+                    *a = *a + A::load(di) * (A::load(xi) * r);
+                }
+            }
         }
     }
 }

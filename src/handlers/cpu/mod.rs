@@ -360,14 +360,17 @@ impl ForwardCall<'_, '_, '_> {
                 return;
             };
             let first = plan.start(c);
-            kernel.run(|| {
-                for (i, (y_row, r)) in y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate() {
-                    let row = first + i;
-                    let x_row = &x[row * n..(row + 1) * n];
-                    let w_row = w.map(|w| &w[(row / per_group) * n..][..n]);
-                    *r = forward_row::<T, W, A>(x_row, w_row, eps, y_row);
-                }
-            })
+            kernel.run(
+                #[inline(always)]
+                || {
+                    for (i, (y_row, r)) in y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate() {
+                        let row = first + i;
+                        let x_row = &x[row * n..(row + 1) * n];
+                        let w_row = w.map(|w| &w[(row / per_group) * n..][..n]);
+                        *r = forward_row::<T, W, A>(x_row, w_row, eps, y_row);
+                    }
+                },
+            )
         };
         self.state
             .jobs
@@ -503,11 +506,14 @@ impl BackwardCall<'_, '_, '_> {
             let body = |c: usize| {
                 let Some(dx) = dx_chunks.take(c) else { return };
                 let first = plan.start(c);
-                kernel.run(|| {
-                    for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
-                        row(first + i, dx_row, None);
-                    }
-                })
+                kernel.run(
+                    #[inline(always)]
+                    || {
+                        for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
+                            row(first + i, dx_row, None);
+                        }
+                    },
+                )
             };
             return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
         };
@@ -541,22 +547,25 @@ impl BackwardCall<'_, '_, '_> {
                     return;
                 };
                 let first_group = plan.start(c);
-                kernel.run(|| {
-                    for (gi, (dx_group, dw_row)) in dx
-                        .chunks_exact_mut(per_group * n)
-                        .zip(dw.chunks_exact_mut(n))
-                        .enumerate()
-                    {
-                        acc.fill(A::ZERO);
-                        let first_row = (first_group + gi) * per_group;
-                        for (i, dx_row) in dx_group.chunks_exact_mut(n).enumerate() {
-                            row(first_row + i, dx_row, Some(&mut *acc));
+                kernel.run(
+                    #[inline(always)]
+                    || {
+                        for (gi, (dx_group, dw_row)) in dx
+                            .chunks_exact_mut(per_group * n)
+                            .zip(dw.chunks_exact_mut(n))
+                            .enumerate()
+                        {
+                            acc.fill(A::ZERO);
+                            let first_row = (first_group + gi) * per_group;
+                            for (i, dx_row) in dx_group.chunks_exact_mut(n).enumerate() {
+                                row(first_row + i, dx_row, Some(&mut *acc));
+                            }
+                            for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
+                                *o = a.store();
+                            }
                         }
-                        for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                            *o = a.store();
-                        }
-                    }
-                })
+                    },
+                )
             };
             return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
         }
@@ -573,12 +582,15 @@ impl BackwardCall<'_, '_, '_> {
                     return;
                 };
                 let first = plan.start(c);
-                kernel.run(|| {
-                    acc.fill(A::ZERO);
-                    for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
-                        row(first + i, dx_row, Some(&mut *acc));
-                    }
-                })
+                kernel.run(
+                    #[inline(always)]
+                    || {
+                        acc.fill(A::ZERO);
+                        for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
+                            row(first + i, dx_row, Some(&mut *acc));
+                        }
+                    },
+                )
             };
             self.state.jobs.run(self.ctx, chunks, workers, &body)?;
         }
@@ -588,16 +600,19 @@ impl BackwardCall<'_, '_, '_> {
         let body = |b: usize| {
             let Some(out) = dw_chunks.take(b) else { return };
             let first = blocks.start(b);
-            kernel.run(|| {
-                for (j, o) in out.iter_mut().enumerate() {
-                    let col = first + j;
-                    let mut sum = A::ZERO;
-                    for c in 0..chunks {
-                        sum = sum + partial[c * n + col];
+            kernel.run(
+                #[inline(always)]
+                || {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        let col = first + j;
+                        let mut sum = A::ZERO;
+                        for c in 0..chunks {
+                            sum = sum + partial[c * n + col];
+                        }
+                        *o = sum.store();
                     }
-                    *o = sum.store();
-                }
-            })
+                },
+            )
         };
         self.state
             .jobs
