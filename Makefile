@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEPS := $(VENV)/.deps-installed
 
-.PHONY: demo test develop rust-test python-test clean
+.PHONY: demo test bench develop rust-test python-test clean
 
 $(DEPS): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ python-test: develop
 	$(PY) -m pytest -q tests/python
 
 test: rust-test python-test
+
+# The benchmark suite: a table of times and ratios, bench/out/results.json and a PNG plot.
+bench: develop
+	$(PY) -m pip install --quiet matplotlib
+	$(PY) bench/bench.py
 
 clean:
 	rm -rf $(VENV) target

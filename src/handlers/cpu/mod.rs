@@ -32,7 +32,7 @@ pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
 pub const MAX_ROW_LEN: i64 = 1 << 26;
 const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
 /// Column block of the weight-gradient reduction.
-const REDUCE_BLOCK: usize = 2048;
+const REDUCE_BLOCK: usize = 1024;
 
 crate::ffi_attrs! {
     /// Attributes of `rmsnorm_fwd`.
@@ -603,13 +603,18 @@ impl BackwardCall<'_, '_, '_> {
             kernel.run(
                 #[inline(always)]
                 || {
-                    for (j, o) in out.iter_mut().enumerate() {
-                        let col = first + j;
-                        let mut sum = A::ZERO;
-                        for c in 0..chunks {
-                            sum = sum + partial[c * n + col];
+                    // Partial rows are added in chunk order, a column block at a time, in a
+                    // stack buffer: contiguous loads that vectorize.
+                    let mut sum = [A::ZERO; REDUCE_BLOCK];
+                    let sum = &mut sum[..out.len()];
+                    for c in 0..chunks {
+                        let row = &partial[c * n + first..][..sum.len()];
+                        for (s, &p) in sum.iter_mut().zip(row) {
+                            *s = *s + p;
                         }
-                        *o = sum.store();
+                    }
+                    for (o, &s) in out.iter_mut().zip(sum.iter()) {
+                        *o = s.store();
                     }
                 },
             )
