@@ -285,7 +285,7 @@ impl<'a> ArrayAttr<'a> {
         if self.len == 0 {
             return Ok(&[]);
         }
-        if (self.data as usize) % std::mem::align_of::<T>() != 0 {
+        if !(self.data as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(format!("{} array data is misaligned", self.dtype));
         }
         // SAFETY: the dtype matches `T` (every bit pattern valid), the pointer is non-null

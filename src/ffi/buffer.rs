@@ -101,7 +101,7 @@ impl<'a> AnyBuffer<'a> {
             &[]
         } else if buffer.dims.is_null() {
             return Err(format!("{operand} has rank {rank} but no dimensions"));
-        } else if (buffer.dims as usize) % align_of::<i64>() != 0 {
+        } else if !(buffer.dims as usize).is_multiple_of(align_of::<i64>()) {
             return Err(format!("{operand} has misaligned dimensions"));
         } else {
             // SAFETY: the caller guarantees `rank` readable i64s at `dims` for `'a`.
@@ -193,7 +193,7 @@ impl<'a> AnyBuffer<'a> {
                 self.dtype
             ));
         }
-        if self.byte_size > 0 && (self.data as usize) % align_of::<T>() != 0 {
+        if self.byte_size > 0 && !(self.data as usize).is_multiple_of(align_of::<T>()) {
             return Err(format!(
                 "{} is not aligned for {} (address {:p})",
                 self.operand,
