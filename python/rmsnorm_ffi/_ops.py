@@ -33,9 +33,13 @@ def _acc_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+MAX_ROW_LEN = 1 << 26  # the Rust handlers' limit on the normalized axis
+
+
 def _check_array(op: str, name: str, value):
-    if not hasattr(value, "dtype") or not hasattr(value, "shape"):
-        value = jnp.asarray(value)
+    # Always through jnp: a NumPy float64 array with x64 disabled becomes float32 here, so the
+    # result specs agree with what XLA is handed.
+    value = jnp.asarray(value)
     if jnp.dtype(value.dtype) not in _FLOATS:
         raise TypeError(f"{op}: {name} must be a {_FLOAT_NAMES} array, got dtype {value.dtype}")
     return value
@@ -45,6 +49,8 @@ def _check_x(op: str, x):
     x = _check_array(op, "x", x)
     if x.ndim < 1:
         raise ValueError(f"{op}: x must have at least one axis (normalization is over the last), got a scalar")
+    if x.shape[-1] > MAX_ROW_LEN:
+        raise ValueError(f"{op}: x's last axis has {x.shape[-1]} elements; at most {MAX_ROW_LEN} are supported")
     return x
 
 
@@ -66,8 +72,9 @@ def _check_eps(op: str, eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (Real, np.floating, np.integer)):
         raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
     eps = float(eps)
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    # eps travels as a float32 attribute: it must be finite there too.
+    if not math.isfinite(eps) or eps < 0 or eps > float(np.finfo(np.float32).max):
+        raise ValueError(f"{op}: eps must be finite and >= 0 (as a float32), got {eps}")
     return eps
 
 

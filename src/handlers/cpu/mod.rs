@@ -57,7 +57,8 @@ crate::ffi_attrs! {
 }
 
 /// Weight-gradient partial rows a backward pass may use for rows of `n`: up to
-/// [`MAX_BACKWARD_CHUNKS`], fewer for very long rows (at most 16M elements in all).
+/// [`MAX_BACKWARD_CHUNKS`], fewer for long rows (at most 16M elements in all, or one row when a
+/// single row is longer than that).
 fn partial_rows(n: usize) -> usize {
     ((16 << 20) / n.max(1)).clamp(1, MAX_BACKWARD_CHUNKS)
 }
@@ -603,18 +604,24 @@ impl BackwardCall<'_, '_, '_> {
             kernel.run(
                 #[inline(always)]
                 || {
-                    // Partial rows are added in chunk order, a column block at a time, in a
-                    // stack buffer: contiguous loads that vectorize.
-                    let mut sum = [A::ZERO; REDUCE_BLOCK];
-                    let sum = &mut sum[..out.len()];
-                    for c in 0..chunks {
-                        let row = &partial[c * n + first..][..sum.len()];
-                        for (s, &p) in sum.iter_mut().zip(row) {
-                            *s = *s + p;
+                    // Partial rows are added in chunk order, REDUCE_BLOCK columns at a time, in
+                    // a stack buffer: contiguous loads that vectorize. (A block of the plan can
+                    // be wider than REDUCE_BLOCK for long rows: the plan has at most
+                    // MAX_CHUNKS blocks.)
+                    let mut buffer = [A::ZERO; REDUCE_BLOCK];
+                    for (k, out) in out.chunks_mut(REDUCE_BLOCK).enumerate() {
+                        let col = first + k * REDUCE_BLOCK;
+                        let sum = &mut buffer[..out.len()];
+                        sum.fill(A::ZERO);
+                        for c in 0..chunks {
+                            let row = &partial[c * n + col..][..sum.len()];
+                            for (s, &p) in sum.iter_mut().zip(row) {
+                                *s = *s + p;
+                            }
                         }
-                    }
-                    for (o, &s) in out.iter_mut().zip(sum.iter()) {
-                        *o = s.store();
+                        for (o, &s) in out.iter_mut().zip(sum.iter()) {
+                            *o = s.store();
+                        }
                     }
                 },
             )

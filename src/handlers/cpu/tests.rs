@@ -249,6 +249,15 @@ fn bundles_match_a_float64_reference() {
 }
 
 #[test]
+fn long_rows_reduce_in_many_column_blocks() {
+    // Rows longer than MAX_CHUNKS * REDUCE_BLOCK columns: reduction blocks hold several
+    // REDUCE_BLOCK-wide pieces.
+    for n in [65_537i64, 131_072] {
+        check_against_reference::<f32>(&[9, n], 2e-5);
+    }
+}
+
+#[test]
 fn weight_gradient_is_bitwise_identical_whatever_the_thread_count() {
     register();
     let dims = [512, 256];
