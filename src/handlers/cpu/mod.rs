@@ -218,6 +218,22 @@ fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>, rows: usize) -> Result<usi
     Ok(if rows == 0 { groups.max(1) } else { groups })
 }
 
+/// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
+fn x_and_weight<'a>(
+    args: &ArgsView<'a>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<(AnyBuffer<'a>, Option<AnyBuffer<'a>>, Layout)> {
+    let x = args.get(0)?;
+    let (rows, n) = check_x(&x, row_len)?;
+    let w = if has_weight { Some(args.get(1)?) } else { None };
+    let groups = match &w {
+        Some(w) => check_weight(&x, w, rows)?,
+        None => 1,
+    };
+    Ok((x, w, Layout { rows, n, groups }))
+}
+
 fn expect(
     operand: Operand,
     dtype: DataType,
@@ -268,10 +284,22 @@ fn per_chunk_rows<A>(
     DisjointChunks::new(&mut scratch[..len], &bounds[..chunks + 1])
 }
 
+/// Caps the threads a call uses (`RMSNORM_FFI_NUM_THREADS`, read once); unset: XLA's pool size.
+static THREAD_CAP: once_cell::sync::Lazy<Option<usize>> = once_cell::sync::Lazy::new(|| {
+    std::env::var("RMSNORM_FFI_NUM_THREADS")
+        .ok()?
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+});
+
+/// Threads a call may use: XLA's intra-op pool size (the calling thread is one of them).
 fn workers(ctx: &Context<'_>) -> usize {
-    ctx.num_threads()
+    let pool = ctx
+        .num_threads()
         .map(|n| n.clamp(1, 256) as usize)
-        .unwrap_or(1)
+        .unwrap_or(1);
+    THREAD_CAP.map_or(pool, |cap| pool.min(cap))
 }
 
 impl Execute for Forward {
@@ -289,17 +317,7 @@ impl Execute for Forward {
         state.live.record_execution();
         count("arguments", args.len(), 1 + state.has_weight as usize)?;
         count("results", rets.len(), 2)?;
-        let x = args.get(0)?;
-        let (rows, n) = check_x(&x, state.row_len)?;
-        let w = if state.has_weight {
-            Some(args.get(1)?)
-        } else {
-            None
-        };
-        let groups = match &w {
-            Some(w) => check_weight(&x, w, rows)?,
-            None => 1,
-        };
+        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
         let (y, rstd) = (result(&mut rets, 0)?, result(&mut rets, 1)?);
         expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
         let lead = &x.dims()[..x.rank() - 1];
@@ -310,7 +328,6 @@ impl Execute for Forward {
             acc_dtype(x.dtype()),
             lead,
         )?;
-        let layout = Layout { rows, n, groups };
         let call = ForwardCall { state, ctx, layout };
         match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
             (DataType::F32, None | Some(DataType::F32)) => call.run::<f32, f32, f32>(x, w, y, rstd),
@@ -395,17 +412,7 @@ impl Execute for Backward {
         let has_w = state.has_weight as usize;
         count("arguments", args.len(), 3 + has_w)?;
         count("results", rets.len(), 1 + has_w)?;
-        let x = args.get(0)?;
-        let (rows, n) = check_x(&x, state.row_len)?;
-        let w = if state.has_weight {
-            Some(args.get(1)?)
-        } else {
-            None
-        };
-        let groups = match &w {
-            Some(w) => check_weight(&x, w, rows)?,
-            None => 1,
-        };
+        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
         let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
         let lead = &x.dims()[..x.rank() - 1];
         expect(
@@ -426,11 +433,7 @@ impl Execute for Backward {
             }
             None => None,
         };
-        let call = BackwardCall {
-            state,
-            ctx,
-            layout: Layout { rows, n, groups },
-        };
+        let call = BackwardCall { state, ctx, layout };
         let ops = BackwardOperands {
             x,
             w,

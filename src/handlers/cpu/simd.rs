@@ -19,12 +19,17 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The best instruction set this CPU has.
+    /// The best instruction set this CPU has, or the one `RMSNORM_FFI_ISA` names (`scalar`,
+    /// `avx2`, `avx512`, `neon`) if this CPU has it: for benchmarks, and for ruling the SIMD
+    /// paths in or out when chasing a numerical question.
     pub fn detect() -> Kernel {
-        Kernel::available()
-            .into_iter()
-            .last()
-            .unwrap_or(Kernel::Scalar)
+        let available = Kernel::available();
+        if let Ok(wanted) = std::env::var("RMSNORM_FFI_ISA") {
+            if let Some(k) = available.iter().find(|k| k.name() == wanted.trim()) {
+                return *k;
+            }
+        }
+        available.into_iter().last().unwrap_or(Kernel::Scalar)
     }
 
     /// Every instruction set this CPU can run, scalar first (for tests and benchmarks).
