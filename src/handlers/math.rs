@@ -246,6 +246,93 @@ pub fn forward_row<T: Element, W: Element, A: Accum>(
     y: &mut [T],
 ) -> A {
     let r = rstd::<T, A>(x, eps);
+    forward_scale(x, w, r, y);
+    r
+}
+
+/// Forward pass over consecutive rows of `n` (`rstd.len()` rows), software-pipelined: one loop
+/// writes row `i` and sums the squares of row `i + 1`, so the read of the next row overlaps
+/// the write of this one. The sums are taken exactly as [`sum_squares`] takes them, so results
+/// are bit-identical to calling [`forward_row`] row by row. `w_of(i)` is row `i`'s weight.
+#[inline(always)]
+pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [T],
+    rstd: &mut [A],
+) {
+    let rows = rstd.len();
+    if n == 0 {
+        rstd.fill(A::NAN);
+        return;
+    }
+    let finish = |ss: A| A::ONE / (ss / A::from_usize(n) + eps).sqrt();
+    let mut next = match x.get(..n) {
+        Some(first) if rows > 0 => finish(sum_squares::<T, A>(first)),
+        _ => return,
+    };
+    for i in 0..rows {
+        let r = next;
+        rstd[i] = r;
+        let xr = &x[i * n..(i + 1) * n];
+        let yr = &mut y[i * n..(i + 1) * n];
+        let Some(xn) = x.get((i + 1) * n..(i + 2) * n).filter(|_| i + 1 < rows) else {
+            // Last row: scale only.
+            forward_scale(xr, w_of(i), r, yr);
+            break;
+        };
+        let mut acc = [A::ZERO; LANES];
+        let (xb, xt) = xr.as_chunks::<LANES>();
+        let (nb, nt) = xn.as_chunks::<LANES>();
+        let (yb, yt) = yr.as_chunks_mut::<LANES>();
+        match w_of(i) {
+            Some(w) => {
+                let (wb, wt) = w.as_chunks::<LANES>();
+                for (((ys, xs), ws), ns) in yb.iter_mut().zip(xb).zip(wb).zip(nb) {
+                    for ((((o, &xi), &wi), &ni), a) in
+                        ys.iter_mut().zip(xs).zip(ws).zip(ns).zip(acc.iter_mut())
+                    {
+                        *o = (A::load(xi) * r * A::load(wi)).store();
+                        let v = A::load(ni);
+                        *a = *a + v * v;
+                    }
+                }
+                for (((o, &xi), &wi), (&ni, a)) in yt
+                    .iter_mut()
+                    .zip(xt)
+                    .zip(wt)
+                    .zip(nt.iter().zip(acc.iter_mut()))
+                {
+                    *o = (A::load(xi) * r * A::load(wi)).store();
+                    let v = A::load(ni);
+                    *a = *a + v * v;
+                }
+            }
+            None => {
+                for ((ys, xs), ns) in yb.iter_mut().zip(xb).zip(nb) {
+                    for (((o, &xi), &ni), a) in ys.iter_mut().zip(xs).zip(ns).zip(acc.iter_mut()) {
+                        *o = (A::load(xi) * r).store();
+                        let v = A::load(ni);
+                        *a = *a + v * v;
+                    }
+                }
+                for ((o, &xi), (&ni, a)) in yt.iter_mut().zip(xt).zip(nt.iter().zip(acc.iter_mut()))
+                {
+                    *o = (A::load(xi) * r).store();
+                    let v = A::load(ni);
+                    *a = *a + v * v;
+                }
+            }
+        }
+        next = finish(tree_sum(acc));
+    }
+}
+
+/// `y = x * r * w` (or `x * r`) for one row.
+#[inline(always)]
+fn forward_scale<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, r: A, y: &mut [T]) {
     match w {
         Some(w) => {
             for ((o, &xi), &wi) in y.iter_mut().zip(x).zip(w) {
@@ -258,7 +345,6 @@ pub fn forward_row<T: Element, W: Element, A: Accum>(
             }
         }
     }
-    r
 }
 
 /// `g = dy * w`, or `dy` without a weight.

@@ -16,7 +16,7 @@ pub mod simd;
 use half::{bf16, f16};
 
 use super::error::HandlerError;
-use super::math::{backward_row, forward_row, Accum, Element};
+use super::math::{backward_row, forward_row, forward_rows, Accum, Element};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
@@ -381,11 +381,19 @@ impl ForwardCall<'_, '_, '_> {
             kernel.run(
                 #[inline(always)]
                 || {
-                    for (i, (y_row, r)) in y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate() {
-                        let row = first + i;
-                        let x_row = &x[row * n..(row + 1) * n];
-                        let w_row = w.map(|w| &w[(row / per_group) * n..][..n]);
-                        *r = forward_row::<T, W, A>(x_row, w_row, eps, y_row);
+                    let w_of = |i: usize| w.map(|w| &w[((first + i) / per_group) * n..][..n]);
+                    if std::mem::size_of::<T>() == 2 {
+                        // Half precision is bound by conversions, not memory: overlapping the
+                        // next row's sum with this row's write pays (bit-identical results).
+                        let x_rows = &x[first * n..(first + rstd.len()) * n];
+                        forward_rows::<T, W, A>(x_rows, n, w_of, eps, y, rstd);
+                    } else {
+                        for (i, (y_row, r)) in
+                            y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate()
+                        {
+                            let x_row = &x[(first + i) * n..(first + i + 1) * n];
+                            *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
+                        }
                     }
                 },
             )

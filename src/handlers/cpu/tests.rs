@@ -372,3 +372,32 @@ fn execute_checks_buffers_against_the_attributes() {
         "{e}"
     );
 }
+
+#[test]
+fn pipelined_forward_rows_match_row_by_row_bit_for_bit() {
+    fn check<T: Element, W: Element>(n: usize, rows: usize, weighted: bool) {
+        let x: Vec<T> = values(n * rows, 5).into_iter().map(T::from_f32).collect();
+        let w: Vec<W> = values(n, 6).into_iter().map(|v| W::from_f32(v + 2.5)).collect();
+        let w_of = |_: usize| if weighted { Some(&w[..]) } else { None };
+        for kernel in Kernel::available() {
+            let (mut y1, mut y2) = (vec![T::default(); n * rows], vec![T::default(); n * rows]);
+            let (mut r1, mut r2) = (vec![0f32; rows], vec![0f32; rows]);
+            kernel.run(|| {
+                for r in 0..rows {
+                    let span = r * n..(r + 1) * n;
+                    r1[r] = math::forward_row::<T, W, f32>(&x[span.clone()], w_of(r), 1e-5, &mut y1[span]);
+                }
+                math::forward_rows::<T, W, f32>(&x, n, w_of, 1e-5, &mut y2, &mut r2);
+            });
+            assert_eq!(bits(&y1), bits(&y2), "{kernel:?} n={n} rows={rows}");
+            assert_eq!(bits(&r1), bits(&r2), "{kernel:?} n={n} rows={rows}");
+        }
+    }
+    for (n, rows) in [(1, 1), (7, 3), (16, 2), (33, 5), (4097, 3), (0, 4)] {
+        for weighted in [true, false] {
+            check::<bf16, bf16>(n, rows, weighted);
+            check::<f16, f32>(n, rows, weighted);
+            check::<f32, f32>(n, rows, weighted);
+        }
+    }
+}
