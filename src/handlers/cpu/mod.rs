@@ -16,7 +16,7 @@ pub mod simd;
 use half::{bf16, f16};
 
 use super::error::HandlerError;
-use super::math::{backward_row, forward_row, forward_rows, Accum, Element};
+use super::math::{backward_rows, forward_row, forward_rows, Accum, Element};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
@@ -480,6 +480,41 @@ struct BackwardOperands<'a> {
     dw: Option<AnyResult<'a>>,
 }
 
+/// The read-only operands of a backward call, sliced row range by row range.
+#[derive(Clone, Copy)]
+struct BackwardInputs<'a, T, W, A> {
+    x: &'a [T],
+    dy: &'a [T],
+    rstd: &'a [A],
+    w: Option<&'a [W]>,
+    n: usize,
+    rows_per_group: usize,
+}
+
+impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
+    /// Rows `first..` (as many as `dx_rows` holds), pipelined (see `math::backward_rows`).
+    #[inline(always)]
+    fn rows_from(&self, first: usize, dx_rows: &mut [T], acc: Option<&mut [A]>) {
+        let n = self.n;
+        let count = dx_rows.len() / n;
+        let span = first * n..(first + count) * n;
+        let w_of = |i: usize| {
+            self.w
+                .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
+        };
+        let rstd = &self.rstd[first..first + count];
+        backward_rows::<T, W, A>(
+            &self.x[span.clone()],
+            &self.dy[span],
+            n,
+            w_of,
+            rstd,
+            dx_rows,
+            acc,
+        );
+    }
+}
+
 struct BackwardCall<'s, 'c, 'a> {
     state: &'s BackwardState,
     ctx: &'c Context<'a>,
@@ -502,10 +537,13 @@ impl BackwardCall<'_, '_, '_> {
         let kernel = self.state.kernel;
         let workers = workers(self.ctx);
         let rows_per_group = self.layout.rows_per_group().max(1);
-        let row = |r: usize, dx_row: &mut [T], acc: Option<&mut [A]>| {
-            let w_row = w.map(|w| &w[(r / rows_per_group) * n..][..n]);
-            let span = r * n..(r + 1) * n;
-            backward_row::<T, W, A>(&x[span.clone()], w_row, rstd[r], &dy[span], dx_row, acc);
+        let inputs = BackwardInputs {
+            x,
+            dy,
+            rstd,
+            w,
+            n,
+            rows_per_group,
         };
 
         let Some(dw) = dw else {
@@ -521,9 +559,7 @@ impl BackwardCall<'_, '_, '_> {
                 kernel.run(
                     #[inline(always)]
                     || {
-                        for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
-                            row(first + i, dx_row, None);
-                        }
+                        inputs.rows_from(first, dx, None);
                     },
                 )
             };
@@ -569,9 +605,7 @@ impl BackwardCall<'_, '_, '_> {
                         {
                             acc.fill(A::ZERO);
                             let first_row = (first_group + gi) * per_group;
-                            for (i, dx_row) in dx_group.chunks_exact_mut(n).enumerate() {
-                                row(first_row + i, dx_row, Some(&mut *acc));
-                            }
+                            inputs.rows_from(first_row, dx_group, Some(&mut *acc));
                             for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
                                 *o = a.store();
                             }
@@ -598,9 +632,7 @@ impl BackwardCall<'_, '_, '_> {
                     #[inline(always)]
                     || {
                         acc.fill(A::ZERO);
-                        for (i, dx_row) in dx.chunks_exact_mut(n).enumerate() {
-                            row(first + i, dx_row, Some(&mut *acc));
-                        }
+                        inputs.rows_from(first, dx, Some(&mut *acc));
                     },
                 )
             };

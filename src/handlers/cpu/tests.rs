@@ -374,10 +374,14 @@ fn execute_checks_buffers_against_the_attributes() {
 }
 
 #[test]
+#[allow(clippy::needless_range_loop)]
 fn pipelined_forward_rows_match_row_by_row_bit_for_bit() {
     fn check<T: Element, W: Element>(n: usize, rows: usize, weighted: bool) {
         let x: Vec<T> = values(n * rows, 5).into_iter().map(T::from_f32).collect();
-        let w: Vec<W> = values(n, 6).into_iter().map(|v| W::from_f32(v + 2.5)).collect();
+        let w: Vec<W> = values(n, 6)
+            .into_iter()
+            .map(|v| W::from_f32(v + 2.5))
+            .collect();
         let w_of = |_: usize| if weighted { Some(&w[..]) } else { None };
         for kernel in Kernel::available() {
             let (mut y1, mut y2) = (vec![T::default(); n * rows], vec![T::default(); n * rows]);
@@ -385,12 +389,69 @@ fn pipelined_forward_rows_match_row_by_row_bit_for_bit() {
             kernel.run(|| {
                 for r in 0..rows {
                     let span = r * n..(r + 1) * n;
-                    r1[r] = math::forward_row::<T, W, f32>(&x[span.clone()], w_of(r), 1e-5, &mut y1[span]);
+                    r1[r] = math::forward_row::<T, W, f32>(
+                        &x[span.clone()],
+                        w_of(r),
+                        1e-5,
+                        &mut y1[span],
+                    );
                 }
                 math::forward_rows::<T, W, f32>(&x, n, w_of, 1e-5, &mut y2, &mut r2);
             });
             assert_eq!(bits(&y1), bits(&y2), "{kernel:?} n={n} rows={rows}");
             assert_eq!(bits(&r1), bits(&r2), "{kernel:?} n={n} rows={rows}");
+        }
+    }
+    for (n, rows) in [(1, 1), (7, 3), (16, 2), (33, 5), (4097, 3), (0, 4)] {
+        for weighted in [true, false] {
+            check::<bf16, bf16>(n, rows, weighted);
+            check::<f16, f32>(n, rows, weighted);
+            check::<f32, f32>(n, rows, weighted);
+        }
+    }
+}
+
+#[test]
+#[allow(clippy::needless_range_loop)]
+fn pipelined_backward_rows_match_row_by_row_bit_for_bit() {
+    fn check<T: Element, W: Element>(n: usize, rows: usize, weighted: bool) {
+        let x: Vec<T> = values(n * rows, 5).into_iter().map(T::from_f32).collect();
+        let dy: Vec<T> = values(n * rows, 9).into_iter().map(T::from_f32).collect();
+        let w: Vec<W> = values(n, 6)
+            .into_iter()
+            .map(|v| W::from_f32(v + 2.5))
+            .collect();
+        let rstd: Vec<f32> = values(rows, 3).into_iter().map(|v| v.abs() + 0.5).collect();
+        let w_of = |_: usize| if weighted { Some(&w[..]) } else { None };
+        for kernel in Kernel::available() {
+            let (mut dx1, mut dx2) = (vec![T::default(); n * rows], vec![T::default(); n * rows]);
+            let (mut a1, mut a2) = (vec![0f32; n], vec![0f32; n]);
+            kernel.run(|| {
+                for r in 0..rows {
+                    let span = r * n..(r + 1) * n;
+                    let acc = weighted.then_some(&mut a1[..]);
+                    math::backward_row::<T, W, f32>(
+                        &x[span.clone()],
+                        w_of(r),
+                        rstd[r],
+                        &dy[span.clone()],
+                        &mut dx1[span],
+                        acc,
+                    );
+                }
+                let acc = weighted.then_some(&mut a2[..]);
+                math::backward_rows::<T, W, f32>(&x, &dy, n, w_of, &rstd, &mut dx2, acc);
+            });
+            assert_eq!(
+                bits(&dx1),
+                bits(&dx2),
+                "{kernel:?} n={n} rows={rows} weighted={weighted}"
+            );
+            assert_eq!(
+                bits(&a1),
+                bits(&a2),
+                "{kernel:?} n={n} rows={rows} weighted={weighted}"
+            );
         }
     }
     for (n, rows) in [(1, 1), (7, 3), (16, 2), (33, 5), (4097, 3), (0, 4)] {
