@@ -1,13 +1,13 @@
 """RMS norm benchmark suite: ours against the floor and the jnp reference, measured side by
 side in one run, reported as ratios.
 
-For each shape and dtype it times (best of --reps after warm-up, variants interleaved so that
-drift hits them alike):
+For each shape and dtype it times (best of --reps after warm-up, variants interleaved in a shuffled
+order so that drift and cache state hit them alike):
   forward:          ours `rms_norm(x, w)`, floor `x * c`, jnp reference;
   forward+backward: ours `jax.vjp(rms_norm, x, w)` then the pullback, floor `x * dy * c`,
                     jnp reference the same way.
-The floor moves the same bytes with the same output allocation; a forward pass cannot beat it
-by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+The order of the variants is shuffled every round. The floor moves the same bytes with the same
+output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
 """
 
 from __future__ import annotations
@@ -60,8 +60,13 @@ def measure(shape, dtype, reps):
     best = {name: float("inf") for name in fns}
     if np.prod(shape) <= 1 << 16:
         reps *= 10  # small shapes: cheap, and dispatch noise needs more samples
+    order = list(fns.items())
+    rng = np.random.default_rng(0)
     for _ in range(reps):
-        for name, (fn, _) in fns.items():
+        # A new order each round: every variant follows every other one, so none is always
+        # timed after a cache-thrashing neighbour.
+        rng.shuffle(order)
+        for name, (fn, _) in order:
             start = time.perf_counter()
             jax.block_until_ready(fn(x, w, dy))
             best[name] = min(best[name], time.perf_counter() - start)

@@ -5,8 +5,9 @@
 
 use crate::ffi::parallel::MAX_CHUNKS;
 
-/// Elements per chunk the forward pass aims for: enough work to pay for a hand-off.
-pub const FORWARD_CHUNK_ELEMENTS: usize = 16 * 1024;
+/// Elements per chunk the forward pass aims for: enough work to pay for a hand-off, and enough
+/// rows for the software-pipelined loops (16 rows of 4096 measured better than 4).
+pub const FORWARD_CHUNK_ELEMENTS: usize = 64 * 1024;
 /// Elements per chunk the backward pass aims for.
 pub const BACKWARD_CHUNK_ELEMENTS: usize = 64 * 1024;
 /// Most chunks (and so weight-gradient partial rows) a backward pass uses.
@@ -102,7 +103,7 @@ mod tests {
         );
         assert_eq!(
             Plan::split(256, 4096, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS).count(),
-            64
+            16
         );
     }
 }
