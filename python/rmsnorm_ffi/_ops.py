@@ -88,6 +88,26 @@ def _check_platform(op: str) -> None:
         )
 
 
+def _vma(*arrays) -> frozenset:
+    """The manual mesh axes (inside `shard_map`) along which any of `arrays` varies."""
+    axes: set = set()
+    for a in arrays:
+        if a is None:
+            continue
+        aval = jax.typeof(a)
+        mat = getattr(aval, "mat", None)  # jax >= 0.10: ShapedArray.mat.varying
+        varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+        axes |= set(varying or ())
+    return frozenset(axes)
+
+
+def _varying(out, axes: frozenset):
+    """`out` typed as varying along `axes`. FFI results carry no such type, but inside
+    `shard_map` an output varies wherever its inputs do (rows are independent)."""
+    missing = tuple(sorted(axes - _vma(out)))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
 def _forward(x, weight, eps: float):
     n = x.shape[-1]
     call = jax.ffi.ffi_call(
@@ -96,7 +116,9 @@ def _forward(x, weight, eps: float):
         vmap_method="broadcast_all",
     )
     args = (x,) if weight is None else (x, weight)
-    return call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(n))
+    y, rstd = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(n))
+    axes = _vma(x, weight)
+    return _varying(y, axes), _varying(rstd, axes)
 
 
 def _backward(x, weight, rstd, dy):
@@ -107,7 +129,9 @@ def _backward(x, weight, rstd, dy):
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
     out = call(*args, has_weight=weight is not None, row_len=np.int64(n))
-    return (out[0], None) if weight is None else (out[0], out[1])
+    axes = _vma(x, weight, rstd, dy)
+    dx = _varying(out[0], axes)
+    return (dx, None) if weight is None else (dx, _varying(out[1], axes))
 
 
 def rms_norm_fwd(x, weight=None, eps: float = 1e-5):
@@ -151,7 +175,12 @@ def _weighted_fwd(x, weight, eps):
 
 def _weighted_bwd(eps, residuals, dy):
     x, weight, rstd = residuals
-    return _backward(x, weight, rstd, dy)
+    dx, dweight = _backward(x, weight, rstd, dy)
+    # Inside `shard_map`, a weight shared by the shards gets the sum of their gradients.
+    shared = tuple(sorted(_vma(dweight) - _vma(weight)))
+    if shared:
+        dweight = jax.lax.psum(dweight, shared)
+    return dx, dweight
 
 
 _rms_norm_weighted.defvjp(_weighted_fwd, _weighted_bwd)
