@@ -16,7 +16,7 @@ pub mod simd;
 use half::{bf16, f16};
 
 use super::error::HandlerError;
-use super::math::{backward_rows, forward_row, forward_rows, Accum, Element};
+use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
@@ -494,7 +494,7 @@ struct BackwardInputs<'a, T, W, A> {
 impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
     /// Rows `first..` (as many as `dx_rows` holds), pipelined (see `math::backward_rows`).
     #[inline(always)]
-    fn rows_from(&self, first: usize, dx_rows: &mut [T], acc: Option<&mut [A]>) {
+    fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A]>) {
         let n = self.n;
         let count = dx_rows.len() / n;
         let span = first * n..(first + count) * n;
@@ -503,6 +503,13 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
                 .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
         };
         let rstd = &self.rstd[first..first + count];
+        let one_group =
+            count == 0 || first / self.rows_per_group == (first + count - 1) / self.rows_per_group;
+        if let (Some(w), Some(acc), true) = (w_of(0), acc.as_deref_mut(), one_group) {
+            // One weight row for all these rows: two rows per loop (see `math`).
+            let (x, dy) = (&self.x[span.clone()], &self.dy[span]);
+            return backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx_rows, acc);
+        }
         backward_rows::<T, W, A>(
             &self.x[span.clone()],
             &self.dy[span],

@@ -402,7 +402,17 @@ fn pipelined_forward_rows_match_row_by_row_bit_for_bit() {
             assert_eq!(bits(&r1), bits(&r2), "{kernel:?} n={n} rows={rows}");
         }
     }
-    for (n, rows) in [(1, 1), (7, 3), (16, 2), (33, 5), (4097, 3), (0, 4)] {
+    for (n, rows) in [
+        (1, 1),
+        (7, 3),
+        (16, 2),
+        (33, 5),
+        (4097, 3),
+        (0, 4),
+        (5, 4),
+        (40, 6),
+        (17, 7),
+    ] {
         for weighted in [true, false] {
             check::<bf16, bf16>(n, rows, weighted);
             check::<f16, f32>(n, rows, weighted);
@@ -452,9 +462,33 @@ fn pipelined_backward_rows_match_row_by_row_bit_for_bit() {
                 bits(&a2),
                 "{kernel:?} n={n} rows={rows} weighted={weighted}"
             );
+            if weighted {
+                let (mut dx3, mut a3) = (vec![T::default(); n * rows], vec![0f32; n]);
+                kernel.run(|| {
+                    math::backward_rows_paired::<T, W, f32>(
+                        &x, &dy, n, &w, &rstd, &mut dx3, &mut a3,
+                    )
+                });
+                assert_eq!(
+                    bits(&dx1),
+                    bits(&dx3),
+                    "paired {kernel:?} n={n} rows={rows}"
+                );
+                assert_eq!(bits(&a1), bits(&a3), "paired {kernel:?} n={n} rows={rows}");
+            }
         }
     }
-    for (n, rows) in [(1, 1), (7, 3), (16, 2), (33, 5), (4097, 3), (0, 4)] {
+    for (n, rows) in [
+        (1, 1),
+        (7, 3),
+        (16, 2),
+        (33, 5),
+        (4097, 3),
+        (0, 4),
+        (5, 4),
+        (40, 6),
+        (17, 7),
+    ] {
         for weighted in [true, false] {
             check::<bf16, bf16>(n, rows, weighted);
             check::<f16, f32>(n, rows, weighted);
