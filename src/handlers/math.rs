@@ -559,11 +559,8 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     }
 }
 
-/// Backward pass over consecutive rows of `n` (`rstd.len()` rows). With a weight and a
-/// weight-gradient accumulator it is software-pipelined like [`forward_rows`]: one loop writes
-/// row `i`'s `dx` and gradient contribution and takes row `i + 1`'s dot product (measured about
-/// 10% faster); without, rows go one by one (the fused loop measured slower there).
-/// Bit-identical to calling [`backward_row`] row by row either way.
+/// Backward pass over consecutive rows of `n` (`rstd.len()` rows), row by row: the rows
+/// without a weight, and any rows [`backward_rows_paired`] does not cover.
 #[inline(always)]
 pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     x: &[T],
@@ -574,70 +571,19 @@ pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     dx: &mut [T],
     mut acc: Option<&mut [A]>,
 ) {
-    let rows = rstd.len();
-    if n == 0 || rows == 0 {
+    if n == 0 {
         return;
     }
-    let row = |i: usize| i * n..(i + 1) * n;
-    let nn = A::from_usize(n);
-    let mut next = dot_g_xhat(&x[row(0)], w_of(0), &dy[row(0)], rstd[0]);
-    for i in 0..rows {
-        let (r, c) = (rstd[i], next / nn);
-        let (xr, dr) = (&x[row(i)], &dy[row(i)]);
-        let dxr = &mut dx[row(i)];
-        let fused = i + 1 < rows;
-        match (w_of(i), acc.as_deref_mut(), fused) {
-            (Some(w), Some(acc), true) => {
-                let (xn, dn, wn, rn) = (
-                    &x[row(i + 1)],
-                    &dy[row(i + 1)],
-                    w_of(i + 1).unwrap_or(w),
-                    rstd[i + 1],
-                );
-                let mut dot = [A::ZERO; LANES];
-                let (xb, xt) = xr.as_chunks::<LANES>();
-                let (db, dt) = dr.as_chunks::<LANES>();
-                let (wb, wt) = w.as_chunks::<LANES>();
-                let (ab, at) = acc.as_chunks_mut::<LANES>();
-                let (ob, ot) = dxr.as_chunks_mut::<LANES>();
-                let (xnb, xnt) = xn.as_chunks::<LANES>();
-                let (dnb, dnt) = dn.as_chunks::<LANES>();
-                let (wnb, wnt) = wn.as_chunks::<LANES>();
-                let this = xb
-                    .iter()
-                    .zip(db)
-                    .zip(wb)
-                    .zip(ab.iter_mut())
-                    .zip(ob.iter_mut());
-                let following = xnb.iter().zip(dnb).zip(wnb);
-                for (((((xs, ds), ws), accs), os), ((xns, dns), wns)) in this.zip(following) {
-                    for l in 0..LANES {
-                        let xhat = A::load(xs[l]) * r;
-                        let d = A::load(ds[l]);
-                        os[l] = (r * (d * A::load(ws[l]) - xhat * c)).store();
-                        accs[l] = accs[l] + d * xhat;
-                        let g = A::load(dns[l]) * A::load(wns[l]);
-                        dot[l] = dot[l] + g * (A::load(xns[l]) * rn);
-                    }
-                }
-                for l in 0..xt.len() {
-                    let xhat = A::load(xt[l]) * r;
-                    let d = A::load(dt[l]);
-                    ot[l] = (r * (d * A::load(wt[l]) - xhat * c)).store();
-                    at[l] = at[l] + d * xhat;
-                    let g = A::load(dnt[l]) * A::load(wnt[l]);
-                    dot[l] = dot[l] + g * (A::load(xnt[l]) * rn);
-                }
-                next = tree_sum(dot);
-            }
-            (w, acc, _) => {
-                // Row by row: the last row, and rows without a weight.
-                backward_second_pass(xr, w, r, c, dr, dxr, acc);
-                if fused {
-                    next = dot_g_xhat(&x[row(i + 1)], w_of(i + 1), &dy[row(i + 1)], rstd[i + 1]);
-                }
-            }
-        }
+    for (i, dx_row) in dx.chunks_exact_mut(n).enumerate().take(rstd.len()) {
+        let span = i * n..(i + 1) * n;
+        backward_row(
+            &x[span.clone()],
+            w_of(i),
+            rstd[i],
+            &dy[span],
+            dx_row,
+            acc.as_deref_mut(),
+        );
     }
 }
 

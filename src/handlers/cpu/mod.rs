@@ -492,7 +492,8 @@ struct BackwardInputs<'a, T, W, A> {
 }
 
 impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
-    /// Rows `first..` (as many as `dx_rows` holds), pipelined (see `math::backward_rows`).
+    /// Rows `first..` (as many as `dx_rows` holds): two rows per loop when they share one
+    /// weight row and accumulate its gradient (`math::backward_rows_paired`), else row by row.
     #[inline(always)]
     fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A]>) {
         let n = self.n;
