@@ -21,8 +21,10 @@ develop: $(DEPS)
 demo: develop
 	$(PY) examples/stateful_demo.py
 
+# RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
 rust-test: $(DEPS)
 	XLA_FFI_INCLUDE_DIR="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+	RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
 		cargo test --features fake-runtime
 
 python-test: develop

@@ -81,6 +81,9 @@ def _check_eps(op: str, eps) -> float:
 def _check_platform(op: str) -> None:
     platforms = register()
     backend = jax.default_backend()
+    # JAX calls a CUDA backend "gpu"; its bundles are registered for platform "cuda".
+    if backend == "gpu" and "cuda" in platforms:
+        backend = "cuda"
     if backend not in platforms:
         raise NotImplementedError(
             f"{op}: no rmsnorm_ffi implementation for platform '{backend}' in this build "

@@ -796,7 +796,7 @@ fn registration_lists_are_consistent() {
     };
     assert_eq!(
         err.to_string(),
-        "unsupported platform `tpu` (this build supports: cpu)"
+        "unsupported platform `tpu` (this build supports: cpu, cuda)"
     );
 }
 

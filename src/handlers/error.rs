@@ -15,7 +15,7 @@ pub enum HandlerError {
     Shape { operand: Operand, problem: String },
     #[error("invalid attribute `{name}`: {problem}")]
     Attribute { name: &'static str, problem: String },
-    #[error("unsupported platform `{0}` (this build supports: cpu)")]
+    #[error("unsupported platform `{0}` (this build supports: cpu, cuda)")]
     Platform(String),
 }
 

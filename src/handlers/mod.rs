@@ -2,7 +2,9 @@
 
 pub mod cpu;
 pub mod error;
+pub mod gpu;
 pub mod math;
+pub mod operands;
 pub mod scaled_copy;
 pub mod testing;
 
@@ -20,13 +22,17 @@ const CPU_BUNDLES: &[BundleDef] = &[
     testing::ATTRS_BUNDLE,
 ];
 
+/// The RMS norm on NVIDIA GPUs (registered only where JAX has a CUDA backend).
+const CUDA_BUNDLES: &[BundleDef] = &[gpu::FORWARD_BUNDLE, gpu::BACKWARD_BUNDLE];
+
 /// The platforms this build registers bundles for.
-pub const PLATFORMS: &[&str] = &["cpu"];
+pub const PLATFORMS: &[&str] = &["cpu", "cuda"];
 
 /// The bundles to register for `platform` (as JAX names it: "cpu", "cuda").
 pub fn bundles(platform: &str) -> Result<&'static [BundleDef], HandlerError> {
     match platform.to_ascii_lowercase().as_str() {
         "cpu" | "host" => Ok(CPU_BUNDLES),
+        "cuda" => Ok(CUDA_BUNDLES),
         _ => Err(HandlerError::Platform(platform.to_string())),
     }
 }

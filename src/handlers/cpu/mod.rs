@@ -17,10 +17,11 @@ use half::{bf16, f16};
 
 use super::error::HandlerError;
 use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
+use super::operands::{acc_dtype, count, expect, result, x_and_weight, Layout, X_DTYPES};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
-    FfiResult, Instantiate, Operand, ResultList,
+    FfiResult, Instantiate, ResultList,
 };
 use crate::state::{LiveState, WorkspacePool};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
@@ -30,7 +31,6 @@ pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
 pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
 /// Longest row accepted (keeps workspaces bounded).
 pub const MAX_ROW_LEN: i64 = 1 << 26;
-const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
 
@@ -149,122 +149,6 @@ impl Instantiate for Backward {
             partials_f64: WorkspacePool::new(partial_len, 64),
         })
     }
-}
-
-/// The shape of a call, checked against the state's attributes.
-#[derive(Debug, Clone, Copy)]
-struct Layout {
-    rows: usize,
-    n: usize,
-    /// Weight groups: 1, or the product of the weight's leading (batch) dimensions.
-    groups: usize,
-}
-
-impl Layout {
-    fn rows_per_group(&self) -> usize {
-        self.rows.checked_div(self.groups).unwrap_or(0)
-    }
-}
-
-/// The accumulator dtype for `x`'s dtype (the dtype of `rstd`).
-fn acc_dtype(x: DataType) -> DataType {
-    if x == DataType::F64 {
-        DataType::F64
-    } else {
-        DataType::F32
-    }
-}
-
-fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
-    if !X_DTYPES.contains(&x.dtype()) {
-        return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
-    }
-    let Some((&n, lead)) = x.dims().split_last() else {
-        return Err(HandlerError::shape(
-            x.operand(),
-            "a scalar has no rows; expected rank >= 1",
-        ));
-    };
-    if n as usize != row_len {
-        return Err(HandlerError::shape(
-            x.operand(),
-            format!("last axis has {n} elements but the call site was instantiated for row_len={row_len}"),
-        ));
-    }
-    Ok((lead.iter().product::<i64>() as usize, row_len))
-}
-
-fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>, rows: usize) -> Result<usize, HandlerError> {
-    if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
-        let accepted: &[DataType] = if x.dtype() == DataType::F32 {
-            &[DataType::F32]
-        } else {
-            &[x.dtype(), DataType::F32]
-        };
-        return Err(HandlerError::dtype(w.operand(), accepted, w.dtype()));
-    }
-    let (xd, wd) = (x.dims(), w.dims());
-    let k = wd.len().wrapping_sub(1);
-    if wd.is_empty() || k >= xd.len() || wd[k] != xd[xd.len() - 1] || wd[..k] != xd[..k] {
-        return Err(HandlerError::shape(
-            w.operand(),
-            format!(
-                "expected (n,) with n = {} (or x's leading batch dims then n), got {wd:?}",
-                xd[xd.len() - 1]
-            ),
-        ));
-    }
-    let groups = wd[..k].iter().product::<i64>() as usize;
-    Ok(if rows == 0 { groups.max(1) } else { groups })
-}
-
-/// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
-fn x_and_weight<'a>(
-    args: &ArgsView<'a>,
-    has_weight: bool,
-    row_len: usize,
-) -> FfiResult<(AnyBuffer<'a>, Option<AnyBuffer<'a>>, Layout)> {
-    let x = args.get(0)?;
-    let (rows, n) = check_x(&x, row_len)?;
-    let w = if has_weight { Some(args.get(1)?) } else { None };
-    let groups = match &w {
-        Some(w) => check_weight(&x, w, rows)?,
-        None => 1,
-    };
-    Ok((x, w, Layout { rows, n, groups }))
-}
-
-fn expect(
-    operand: Operand,
-    dtype: DataType,
-    dims: &[i64],
-    want_dtype: DataType,
-    want_dims: &[i64],
-) -> Result<(), HandlerError> {
-    if dtype != want_dtype {
-        return Err(HandlerError::dtype(operand, &[want_dtype], dtype));
-    }
-    if dims != want_dims {
-        return Err(HandlerError::shape(
-            operand,
-            format!("expected {want_dims:?}, got {dims:?}"),
-        ));
-    }
-    Ok(())
-}
-
-fn result<'a>(list: &mut ResultList<'a>, index: usize) -> FfiResult<AnyResult<'a>> {
-    list.take(index)
-        .ok_or_else(|| FfiError::invalid_argument(format!("missing result {index}")))
-}
-
-fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
-    if got != want {
-        return Err(FfiError::invalid_argument(format!(
-            "wrong number of {what}: expected {want}, got {got}"
-        )));
-    }
-    Ok(())
 }
 
 /// One accumulator row of `n` per chunk, from the start of `scratch`.

@@ -1,0 +1,449 @@
+// RMS norm kernels for NVIDIA GPUs, compiled at run time by NVRTC (see gpu/compile.rs).
+//
+// Deliberately header-free: bfloat16 and float16 are carried as raw 16-bit patterns and
+// converted with bit arithmetic / PTX `cvt`, so NVRTC needs no CUDA include directory at run
+// time (a `jax[cuda12]` or `jax[cuda13]` install ships the headers in different places, and a
+// driver-only system ships none).
+//
+// Layout of the work (all paths accumulate in float32, float64 for float64 input):
+// - A *team* of `team` threads (a power of two, 32..1024, uniform per launch) owns one row at a
+//   time; a block holds blockDim.x / team teams, so short rows get several rows per block and
+//   long rows a whole block per row.
+// - Each thread caches up to VPT vectors of its row in registers (16-byte loads when VEC > 1),
+//   so x (and dy) are read from DRAM exactly once; rows too long for the cache take a streaming
+//   path that re-reads them (from L2, in practice).
+// - Every loop over rows runs the same number of iterations in every thread of a block (teams
+//   without a row compute nothing but still reach each __syncthreads).
+// - Backward: each block owns a contiguous chunk of rows and accumulates the weight gradient of
+//   those rows in registers; at the end the teams of the block add their accumulators in team
+//   order through shared memory and the block writes one partial row. A finalize kernel adds the
+//   partial rows in block order: the weight gradient is bitwise reproducible for a launch shape.
+
+typedef unsigned short u16;
+typedef long long i64;
+
+struct bf16_t { u16 bits; };
+struct f16_t { u16 bits; };
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float a) { return a; }
+};
+template <> struct Elem<double> {
+  typedef double Acc;
+  static __device__ __forceinline__ double load(double v) { return v; }
+  static __device__ __forceinline__ double store(double a) { return a; }
+};
+template <> struct Elem<bf16_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(bf16_t v) {
+    return __uint_as_float(((unsigned)v.bits) << 16);
+  }
+  // Round to nearest even, NaN stays NaN (quieted), as the `half` crate on the CPU does.
+  static __device__ __forceinline__ bf16_t store(float a) {
+    unsigned u = __float_as_uint(a);
+    bf16_t r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      r.bits = (u16)((u >> 16) | 0x40u);
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      r.bits = (u16)(u >> 16);
+    }
+    return r;
+  }
+};
+template <> struct Elem<f16_t> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(f16_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+  }
+  static __device__ __forceinline__ f16_t store(float a) {
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(a));
+    return r;
+  }
+};
+
+// VEC elements of T, loaded and stored with the widest accesses their size allows.
+template <typename T, int VEC> struct __align__(sizeof(T) * VEC) Pack { T e[VEC]; };
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* base, i64 index) {
+  typedef Pack<T, VEC> P;
+  P p;
+  const P* src = reinterpret_cast<const P*>(base) + index;
+  if constexpr (sizeof(P) % 16 == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(&p);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) d[i] = __ldg(s + i);
+  } else if constexpr (sizeof(P) == 8) {
+    *reinterpret_cast<uint2*>(&p) = __ldg(reinterpret_cast<const uint2*>(src));
+  } else {
+    p = *src;
+  }
+  return p;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* base, i64 index, const Pack<T, VEC>& p) {
+  typedef Pack<T, VEC> P;
+  P* dst = reinterpret_cast<P*>(base) + index;
+  if constexpr (sizeof(P) % 16 == 0) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const uint4* s = reinterpret_cast<const uint4*>(&p);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) d[i] = s[i];
+  } else if constexpr (sizeof(P) == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&p);
+  } else {
+    *dst = p;
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the `team` threads of a team (team uniform across the block). Every thread of the
+// block must call it the same number of times. `red` holds one slot per warp of the block.
+template <typename A>
+__device__ __forceinline__ A team_sum(A v, int team, A* red) {
+  v = warp_sum(v);
+  if (team > 32) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int first = (threadIdx.x / team) * (team >> 5);
+    A total = A(0);
+    for (int i = 0; i < (team >> 5); ++i) total += red[first + i];
+    __syncthreads();
+    v = total;
+  }
+  return v;
+}
+
+template <typename A>
+__device__ __forceinline__ A inv_sqrt(A v) {
+  return A(1) / sqrt(v);
+}
+
+// x * r * w (w may be null) for one pack.
+template <typename T, typename W, int VEC>
+__device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr, int v,
+                                              typename Elem<T>::Acc r) {
+  typedef typename Elem<T>::Acc A;
+  Pack<T, VEC> out;
+  if (wr) {
+    const Pack<W, VEC> wp = load_pack<W, VEC>(wr, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r * A(Elem<W>::load(wp.e[e])));
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
+// ------------------------------------------------------------------------------------------
+template <typename T, typename W, int VEC, int VPT>
+__device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const W* __restrict__ w,
+                                                 T* __restrict__ y,
+                                                 typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
+                                                 int n, int team, float eps_f32,
+                                                 i64 rows_per_group) {
+  typedef typename Elem<T>::Acc A;
+  __shared__ A red[32];
+  const int teams = blockDim.x / team;
+  const int lane = threadIdx.x % team;
+  const int nv = n / VEC;
+  const bool cached = nv <= team * VPT;
+  const A eps = A(eps_f32);
+  const A inv_n = A(1) / A(n);
+  for (i64 base = (i64)blockIdx.x * teams; base < rows; base += (i64)gridDim.x * teams) {
+    const i64 row = base + threadIdx.x / team;
+    const bool valid = row < rows;
+    const T* xr = x + row * n;
+    T* yr = y + row * n;
+    const W* wr = w ? w + (row / rows_per_group) * n : nullptr;
+    A ss = A(0);
+    Pack<T, VEC> cache[VPT];
+    if (cached) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (valid && v < nv) {
+          cache[k] = load_pack<T, VEC>(xr, v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const A a = Elem<T>::load(cache[k].e[e]);
+            ss += a * a;
+          }
+        }
+      }
+    } else if (valid) {
+      for (int v = lane; v < nv; v += team) {
+        const Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const A a = Elem<T>::load(p.e[e]);
+          ss += a * a;
+        }
+      }
+    }
+    ss = team_sum(ss, team, red);
+    const A r = inv_sqrt(ss * inv_n + eps);
+    if (!valid) continue;
+    if (lane == 0) rstd[row] = r;
+    if (cached) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r));
+      }
+    } else {
+      for (int v = lane; v < nv; v += team)
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(load_pack<T, VEC>(xr, v), wr, v, r));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Backward: g = dy * w; dx = rstd * g - x * rstd^3 / n * sum(g * x); dw += dy * x * rstd.
+// Block b owns rows [b * chunk, (b + 1) * chunk) and writes partial[b * n ...] (when w).
+// ------------------------------------------------------------------------------------------
+template <typename T, typename W, int VEC, int VPT>
+__device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
+                                                 const typename Elem<T>::Acc* __restrict__ rstd,
+                                                 const T* __restrict__ dy, T* __restrict__ dx,
+                                                 typename Elem<T>::Acc* __restrict__ partial,
+                                                 i64 rows, int n, int team, i64 chunk) {
+  typedef typename Elem<T>::Acc A;
+  __shared__ A red[32];
+  extern __shared__ unsigned char smem_raw[];
+  A* smem = reinterpret_cast<A*>(smem_raw);
+  const int teams = blockDim.x / team;
+  const int team_id = threadIdx.x / team;
+  const int lane = threadIdx.x % team;
+  const int nv = n / VEC;
+  const bool cached = nv <= team * VPT;
+  const A inv_n = A(1) / A(n);
+  const i64 first = (i64)blockIdx.x * chunk;
+  const i64 last = min(rows, first + chunk);
+  A* prow = partial ? partial + (i64)blockIdx.x * n : nullptr;
+  A acc[VPT][VEC];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[k][e] = A(0);
+  if (prow && !cached) {
+    // Streaming path (one team per block): the partial row itself is the accumulator.
+    for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = A(0);
+    __syncthreads();
+  }
+  for (i64 base = first; base < last; base += teams) {
+    const i64 row = base + team_id;
+    const bool valid = row < last;
+    const T* xr = x + row * n;
+    const T* dyr = dy + row * n;
+    T* dxr = dx + row * n;
+    const A r = valid ? rstd[row] : A(0);
+    A dot = A(0);
+    Pack<T, VEC> xc[VPT], gc[VPT];
+    if (cached) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (valid && v < nv) {
+          xc[k] = load_pack<T, VEC>(xr, v);
+          gc[k] = load_pack<T, VEC>(dyr, v);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (valid && v < nv) {
+          if (w) {
+            const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              dot += Elem<T>::load(gc[k].e[e]) * A(Elem<W>::load(wp.e[e])) *
+                     Elem<T>::load(xc[k].e[e]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              dot += Elem<T>::load(gc[k].e[e]) * Elem<T>::load(xc[k].e[e]);
+          }
+        }
+      }
+    } else if (valid) {
+      for (int v = lane; v < nv; v += team) {
+        const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
+        const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
+        if (w) {
+          const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            dot += Elem<T>::load(gp.e[e]) * A(Elem<W>::load(wp.e[e])) * Elem<T>::load(xp.e[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot += Elem<T>::load(gp.e[e]) * Elem<T>::load(xp.e[e]);
+        }
+      }
+    }
+    dot = team_sum(dot, team, red);
+    if (!valid) continue;
+    const A c = dot * r * r * r * inv_n;
+    if (cached) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (v < nv) {
+          Pack<T, VEC> out;
+          if (w) {
+            const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              const A xa = Elem<T>::load(xc[k].e[e]);
+              const A ga = Elem<T>::load(gc[k].e[e]);
+              out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
+              acc[k][e] += ga * xa * r;
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              out.e[e] = Elem<T>::store(r * Elem<T>::load(gc[k].e[e]) -
+                                        Elem<T>::load(xc[k].e[e]) * c);
+          }
+          store_pack<T, VEC>(dxr, v, out);
+        }
+      }
+    } else {
+      for (int v = lane; v < nv; v += team) {
+        const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
+        const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
+        Pack<T, VEC> out;
+        if (w) {
+          const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            const A xa = Elem<T>::load(xp.e[e]);
+            const A ga = Elem<T>::load(gp.e[e]);
+            out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
+            if (prow) prow[v * VEC + e] += ga * xa * r;
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            out.e[e] = Elem<T>::store(r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c);
+        }
+        store_pack<T, VEC>(dxr, v, out);
+      }
+    }
+  }
+  if (!prow || !cached) return;
+  if (teams == 1) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int v = lane + k * team;
+      if (v < nv)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) prow[v * VEC + e] = acc[k][e];
+    }
+    return;
+  }
+  // Teams add their accumulators into shared memory in team order (same columns per lane).
+  for (int t = 0; t < teams; ++t) {
+    if (team_id == t) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (v < nv)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            smem[v * VEC + e] = (t == 0 ? A(0) : smem[v * VEC + e]) + acc[k][e];
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = smem[c];
+}
+
+// dw[c] = sum over b in 0..blocks, in order, of partial[b * n + c]. Block (32, 8): lane x owns
+// a column, lane y the partial rows b = y, y + 8, ...; then the 8 sums are added in y order.
+template <typename A, typename W>
+__device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const A* __restrict__ partial, int blocks,
+                                                          int n, W* __restrict__ dw) {
+  __shared__ A sums[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  A s = A(0);
+  if (c < n)
+    for (int b = threadIdx.y; b < blocks; b += 8) s += partial[(i64)b * n + c];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n) {
+    A total = A(0);
+#pragma unroll
+    for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
+    dw[c] = Elem<W>::store((typename Elem<W>::Acc)total);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Entry points, stamped per (x dtype, weight dtype, vector width). Names:
+//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>
+// `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses.
+// A null `w` means no weight. VPT (vectors cached per thread): forward 4 (blocks up to 1024
+// threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
+// thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
+// (8192 for float64) are read once.
+// ------------------------------------------------------------------------------------------
+#define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
+      const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
+      float eps, i64 rows_per_group) {                                                      \
+    rmsnorm_fwd_impl<T, W, VEC, VPT>(x, w, y, rstd, rows, n, team, eps, rows_per_group);     \
+  }
+
+#define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
+  extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
+      const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, T* dx,                  \
+      Elem<T>::Acc* partial, i64 rows, int n, int team, i64 chunk) {                          \
+    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dx, partial, rows, n, team, chunk);     \
+  }
+
+#define STAMP(XN, T, WN, W)                                                                   \
+  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                          \
+  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4)) \
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)
+
+STAMP(f32, float, f32, float)
+STAMP(f64, double, f64, double)
+STAMP(f64, double, f32, float)
+STAMP(bf16, bf16_t, bf16, bf16_t)
+STAMP(bf16, bf16_t, f32, float)
+STAMP(f16, f16_t, f16, f16_t)
+STAMP(f16, f16_t, f32, float)
+
+#define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
+  extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \
+      const A* partial, int blocks, int n, W* dw) {                                           \
+    rmsnorm_bwd_finalize_impl<A, W>(partial, blocks, n, dw);                                  \
+  }
+
+FINALIZE_ENTRY(f32, float, f32, float)
+FINALIZE_ENTRY(f32, float, bf16, bf16_t)
+FINALIZE_ENTRY(f32, float, f16, f16_t)
+FINALIZE_ENTRY(f64, double, f64, double)
+FINALIZE_ENTRY(f64, double, f32, float)

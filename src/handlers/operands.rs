@@ -1,0 +1,131 @@
+//! The operand contract of the `rmsnorm_fwd` / `rmsnorm_bwd` targets, shared by the CPU and GPU
+//! bundles: which dtypes and shapes the arguments and results must have, checked against the
+//! attributes the call site was instantiated with. Every check names the operand it rejects.
+
+use super::error::HandlerError;
+use crate::ffi::{
+    AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, ResultList,
+};
+
+/// The dtypes of x (and y, dx, dy).
+pub const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
+
+/// The shape of a call, checked against the state's attributes.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    pub rows: usize,
+    pub n: usize,
+    /// Weight groups: 1, or the product of the weight's leading (batch) dimensions.
+    pub groups: usize,
+}
+
+impl Layout {
+    pub fn rows_per_group(&self) -> usize {
+        self.rows.checked_div(self.groups).unwrap_or(0)
+    }
+}
+
+/// The accumulator dtype for `x`'s dtype (the dtype of `rstd`).
+pub fn acc_dtype(x: DataType) -> DataType {
+    if x == DataType::F64 {
+        DataType::F64
+    } else {
+        DataType::F32
+    }
+}
+
+pub fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
+    if !X_DTYPES.contains(&x.dtype()) {
+        return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
+    }
+    let Some((&n, lead)) = x.dims().split_last() else {
+        return Err(HandlerError::shape(
+            x.operand(),
+            "a scalar has no rows; expected rank >= 1",
+        ));
+    };
+    if n as usize != row_len {
+        return Err(HandlerError::shape(
+            x.operand(),
+            format!("last axis has {n} elements but the call site was instantiated for row_len={row_len}"),
+        ));
+    }
+    Ok((lead.iter().product::<i64>() as usize, row_len))
+}
+
+pub fn check_weight(
+    x: &AnyBuffer<'_>,
+    w: &AnyBuffer<'_>,
+    rows: usize,
+) -> Result<usize, HandlerError> {
+    if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
+        let accepted: &[DataType] = if x.dtype() == DataType::F32 {
+            &[DataType::F32]
+        } else {
+            &[x.dtype(), DataType::F32]
+        };
+        return Err(HandlerError::dtype(w.operand(), accepted, w.dtype()));
+    }
+    let (xd, wd) = (x.dims(), w.dims());
+    let k = wd.len().wrapping_sub(1);
+    if wd.is_empty() || k >= xd.len() || wd[k] != xd[xd.len() - 1] || wd[..k] != xd[..k] {
+        return Err(HandlerError::shape(
+            w.operand(),
+            format!(
+                "expected (n,) with n = {} (or x's leading batch dims then n), got {wd:?}",
+                xd[xd.len() - 1]
+            ),
+        ));
+    }
+    let groups = wd[..k].iter().product::<i64>() as usize;
+    Ok(if rows == 0 { groups.max(1) } else { groups })
+}
+
+/// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
+pub fn x_and_weight<'a>(
+    args: &ArgsView<'a>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<(AnyBuffer<'a>, Option<AnyBuffer<'a>>, Layout)> {
+    let x = args.get(0)?;
+    let (rows, n) = check_x(&x, row_len)?;
+    let w = if has_weight { Some(args.get(1)?) } else { None };
+    let groups = match &w {
+        Some(w) => check_weight(&x, w, rows)?,
+        None => 1,
+    };
+    Ok((x, w, Layout { rows, n, groups }))
+}
+
+pub fn expect(
+    operand: Operand,
+    dtype: DataType,
+    dims: &[i64],
+    want_dtype: DataType,
+    want_dims: &[i64],
+) -> Result<(), HandlerError> {
+    if dtype != want_dtype {
+        return Err(HandlerError::dtype(operand, &[want_dtype], dtype));
+    }
+    if dims != want_dims {
+        return Err(HandlerError::shape(
+            operand,
+            format!("expected {want_dims:?}, got {dims:?}"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn result<'a>(list: &mut ResultList<'a>, index: usize) -> FfiResult<AnyResult<'a>> {
+    list.take(index)
+        .ok_or_else(|| FfiError::invalid_argument(format!("missing result {index}")))
+}
+
+pub fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
+    if got != want {
+        return Err(FfiError::invalid_argument(format!(
+            "wrong number of {what}: expected {want}, got {got}"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,134 @@
+//! Compiles every RMS norm kernel with NVRTC from pip (`nvidia-cuda-nvrtc-cu12`) for compute_80
+//! and compute_90, through the crate's own library search, and assembles the PTX with `ptxas`
+//! from `nvidia-cuda-nvcc-cu12` for sm_80 and sm_90. No GPU needed.
+//!
+//! `RMSNORM_FFI_SITE_PACKAGES` (set by `make rust-test`) names the site-packages holding the
+//! `nvidia/*` packages; without it the test only says it skipped. With it, any failure fails.
+//! Registers and spills per kernel print with `--nocapture`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use rmsnorm_ffi::handlers::gpu::driver::{Nvrtc, Search};
+use rmsnorm_ffi::handlers::gpu::kernels::{NAMES, SOURCE};
+
+/// Spill bytes (stores) tolerated per kernel: the float32 backward keeps 32 cached values of
+/// x, 32 of dy and 32 accumulators per thread under a 128-register cap, and spills a little
+/// on sm_90. Anything beyond fails the test.
+const SPILL_BUDGET: u64 = 128;
+
+#[derive(Debug, Default)]
+struct Usage {
+    registers: u64,
+    spill_stores: u64,
+    spill_loads: u64,
+}
+
+fn parse_ptxas(out: &str) -> Vec<(String, Usage)> {
+    let mut result: Vec<(String, Usage)> = Vec::new();
+    for line in out.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            result.push((name, Usage::default()));
+        } else if let Some((_, u)) = result.last_mut() {
+            let num_before = |marker: &str| -> Option<u64> {
+                let i = line.find(marker)?;
+                line[..i].split_whitespace().last()?.parse().ok()
+            };
+            if let Some(v) = num_before(" bytes spill stores") {
+                u.spill_stores = v;
+            }
+            if let Some(v) = num_before(" bytes spill loads") {
+                u.spill_loads = v;
+            }
+            if let Some(i) = line.find("Used ") {
+                if let Some(v) = line[i + 5..]
+                    .split_whitespace()
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                {
+                    u.registers = v;
+                }
+            }
+        }
+    }
+    result
+}
+
+#[test]
+fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
+    let Some(site) = std::env::var_os("RMSNORM_FFI_SITE_PACKAGES") else {
+        eprintln!("SKIPPED: RMSNORM_FFI_SITE_PACKAGES is not set (make rust-test sets it)");
+        return;
+    };
+    let site: Vec<PathBuf> = std::env::split_paths(&site).collect();
+    // Only pip locations: the test proves the pip layout is found by the crate's search.
+    let search = Search {
+        site_packages: site.clone(),
+        ..Search::default()
+    };
+    let nvrtc = Nvrtc::load(&search).unwrap_or_else(|e| panic!("{e}"));
+    println!("NVRTC {:?} from {}", nvrtc.version(), nvrtc.path());
+    let ptxas = site
+        .iter()
+        .map(|s| s.join("nvidia/cuda_nvcc/bin/ptxas"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no nvidia/cuda_nvcc/bin/ptxas under {site:?}"));
+    let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_ptx_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut failures = Vec::new();
+    for cc in [80, 90] {
+        let compiled = nvrtc
+            .compile(SOURCE, "rmsnorm.cu", &format!("compute_{cc}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            compiled.log.trim().is_empty() || !compiled.log.contains("error"),
+            "{}",
+            compiled.log
+        );
+        for name in NAMES.iter() {
+            assert!(
+                compiled.ptx.contains(&format!(".entry {name}(")),
+                "{name} missing from the PTX"
+            );
+        }
+        let ptx_path = dir.join(format!("rmsnorm_{cc}.ptx"));
+        std::fs::write(&ptx_path, &compiled.ptx).unwrap();
+        let out = Command::new(&ptxas)
+            .arg("-v")
+            .arg(format!("-arch=sm_{cc}"))
+            .arg(&ptx_path)
+            .arg("-o")
+            .arg(dir.join(format!("rmsnorm_{cc}.cubin")))
+            .output()
+            .expect("ptxas runs");
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "ptxas failed for sm_{cc}:\n{text}");
+        assert!(
+            !text.to_lowercase().contains("error"),
+            "ptxas reported errors:\n{text}"
+        );
+        let usage = parse_ptxas(&text);
+        assert_eq!(usage.len(), NAMES.len(), "ptxas output:\n{text}");
+        println!(
+            "sm_{cc}: {:<36} {:>4} {:>12}",
+            "kernel", "regs", "spill st/ld"
+        );
+        for (name, u) in &usage {
+            println!(
+                "sm_{cc}: {name:<36} {:>4} {:>6}/{:<6}",
+                u.registers, u.spill_stores, u.spill_loads
+            );
+            if u.spill_stores > SPILL_BUDGET || u.spill_loads > SPILL_BUDGET {
+                failures.push(format!(
+                    "sm_{cc} {name}: {} bytes spill stores, {} loads",
+                    u.spill_stores, u.spill_loads
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "spills over budget: {failures:#?}");
+}
