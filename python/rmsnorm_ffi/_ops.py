@@ -39,7 +39,10 @@ MAX_ROW_LEN = 1 << 26  # the Rust handlers' limit on the normalized axis
 def _check_array(op: str, name: str, value):
     # Always through jnp: a NumPy float64 array with x64 disabled becomes float32 here, so the
     # result specs agree with what XLA is handed.
-    value = jnp.asarray(value)
+    try:
+        value = jnp.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{op}: {name} must be a {_FLOAT_NAMES} array, got {type(value).__name__} ({e})") from None
     if jnp.dtype(value.dtype) not in _FLOATS:
         raise TypeError(f"{op}: {name} must be a {_FLOAT_NAMES} array, got dtype {value.dtype}")
     return value

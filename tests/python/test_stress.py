@@ -1,0 +1,124 @@
+"""The stress harness (`python -m rmsnorm_ffi.stress`), run as users run it: in a fresh
+process, reading its JSON summary and exit status. Sized for a 2-core CI machine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rmsnorm_ffi import stress
+
+# RSS may grow by at most this much over 500 compile/run/drop cycles (about 130 KB a cycle):
+# a leaked executable or state (tens of KB of code, workspaces of up to 1 MB) would exceed it.
+RSS_GROWTH_BOUND_MB = 64
+
+
+def run_stress(tmp_path, *options, timeout=900):
+    out = tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "rmsnorm_ffi.stress", "--quiet", "--json", str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.exists(), f"no summary (exit {result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
+    summary = json.loads(out.read_text())
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
+    assert summary["ok"] and "OK" in result.stdout.splitlines()[-1]
+    return summary
+
+
+def assert_clean(summary):
+    assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["examples"]
+    assert summary["states_leaked"] == 0
+    assert summary["states_created"] == summary["states_destroyed"] > 0
+
+
+def test_sixteen_threads_four_executables_and_500_churn_cycles(tmp_path):
+    summary = run_stress(tmp_path, "-t", "16", "-k", "4", "-n", "200", "--churn-cycles", "500")
+    assert_clean(summary)
+    assert summary["calls"] >= 16 * 4 * 200 + 500
+    assert summary["churn_cycles"] >= 500
+    # Every worker executable's states and every churn executable's states were made and freed.
+    assert summary["states_created"] >= 4 + 500
+    assert summary["churn_rss_growth_mb"] < RSS_GROWTH_BOUND_MB, summary
+
+
+def test_one_executable_from_many_threads_shares_one_state_per_call_site(tmp_path):
+    # A weighted gradient over 64x4096 bf16: two call sites (forward and backward), and a
+    # backward split into chunks whose weight-gradient partials come from the state's pool.
+    summary = run_stress(
+        tmp_path, "-t", "16", "-k", "1", "-n", "200", "--no-churn",
+        "--kinds", "grad+w", "--shapes", "64x4096", "--dtypes", "bfloat16",
+    )
+    assert_clean(summary)
+    assert summary["calls"] == 16 * 200 + 1
+    assert summary["states_created"] == 2  # one state per call site, for 3201 executions each
+    assert summary["executions"] == {"rmsnorm_fwd": 16 * 200 + 1, "rmsnorm_bwd": 16 * 200 + 1}
+    # The pool grows to the number of executions in flight at once, never per call.
+    assert summary["workspace_allocations_after_warmup"] <= 16
+
+
+def test_four_host_devices_one_state_serves_all(tmp_path):
+    summary = run_stress(
+        tmp_path, "--devices", "4", "-t", "16", "-k", "4", "-n", "200", "--churn-cycles", "500",
+    )
+    assert_clean(summary)
+    assert summary["devices"] == 4
+    assert summary["calls"] >= 16 * 4 * 200 + 500
+    assert summary["churn_rss_growth_mb"] < RSS_GROWTH_BOUND_MB, summary
+
+
+def test_help_explains_the_options():
+    result = subprocess.run([sys.executable, "-m", "rmsnorm_ffi.stress", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for option in ("--threads", "--executables", "--calls", "--seconds", "--seed", "--devices", "--churn-cycles"):
+        assert option in result.stdout
+
+
+def test_bad_options_are_refused():
+    result = subprocess.run(
+        [sys.executable, "-m", "rmsnorm_ffi.stress", "--dtypes", "int8"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "expected some of" in result.stderr
+
+
+def test_a_wrong_result_fails_the_run(monkeypatch, capsys):
+    # The harness must notice: corrupt the reference of every executable it builds.
+    real_init = stress.Executable.__init__
+
+    def corrupted(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.want[0] = self.want[0] + 1.0
+
+    monkeypatch.setattr(stress.Executable, "__init__", corrupted)
+    status = stress.main(["-q", "-t", "2", "-k", "2", "-n", "3", "--no-churn", "--shapes", "4x64"])
+    out = capsys.readouterr().out
+    assert status == 1
+    # Every call mismatched: 2 threads x 2 executables x 3 rounds, and the 2 warm-up calls.
+    assert "calls: 14 " in out and "mismatches: 14 " in out, out
+    assert "differs from jnp" in out and out.strip().endswith("FAILED")
+
+
+def test_a_leaked_state_fails_the_run(monkeypatch, capsys):
+    # Keeping one executable alive past the end is a leak the harness must report.
+    kept = []
+    real_init = stress.Executable.__init__
+
+    def keep(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        kept.append(self)
+
+    monkeypatch.setattr(stress.Executable, "__init__", keep)
+    status = stress.main(["-q", "-t", "1", "-k", "1", "-n", "1", "--no-churn", "--shapes", "4x64", "--kinds", "fwd"])
+    out = capsys.readouterr().out
+    assert status == 1 and "leaked 1" in out
+    kept.clear()
+
+
+@pytest.mark.parametrize("seconds", ["1"])
+def test_time_limited_run(tmp_path, seconds):
+    summary = run_stress(tmp_path, "-t", "4", "-k", "2", "-s", seconds, "--shapes", "8x128")
+    assert_clean(summary)
+    assert summary["seconds"] >= float(seconds)
