@@ -34,7 +34,7 @@ pub fn acc_dtype(x: DataType) -> DataType {
     }
 }
 
-pub fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
+fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
     if !X_DTYPES.contains(&x.dtype()) {
         return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
     }
@@ -53,7 +53,7 @@ pub fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), Hand
     Ok((lead.iter().product::<i64>() as usize, row_len))
 }
 
-pub fn check_weight(
+fn check_weight(
     x: &AnyBuffer<'_>,
     w: &AnyBuffer<'_>,
     rows: usize,
@@ -82,7 +82,7 @@ pub fn check_weight(
 }
 
 /// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
-pub fn x_and_weight<'a>(
+fn x_and_weight<'a>(
     args: &ArgsView<'a>,
     has_weight: bool,
     row_len: usize,
@@ -97,7 +97,7 @@ pub fn x_and_weight<'a>(
     Ok((x, w, Layout { rows, n, groups }))
 }
 
-pub fn expect(
+fn expect(
     operand: Operand,
     dtype: DataType,
     dims: &[i64],
@@ -116,16 +116,109 @@ pub fn expect(
     Ok(())
 }
 
-pub fn result<'a>(list: &mut ResultList<'a>, index: usize) -> FfiResult<AnyResult<'a>> {
+fn result<'r>(list: &mut ResultList<'r>, index: usize) -> FfiResult<AnyResult<'r>> {
     list.take(index)
         .ok_or_else(|| FfiError::invalid_argument(format!("missing result {index}")))
 }
 
-pub fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
+fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
     if got != want {
         return Err(FfiError::invalid_argument(format!(
             "wrong number of {what}: expected {want}, got {got}"
         )));
     }
     Ok(())
+}
+
+/// The checked operands of one `rmsnorm_fwd` call: x, the optional weight, y and rstd.
+pub struct ForwardOperands<'a, 'r> {
+    pub x: AnyBuffer<'a>,
+    pub w: Option<AnyBuffer<'a>>,
+    pub y: AnyResult<'r>,
+    pub rstd: AnyResult<'r>,
+    pub layout: Layout,
+}
+
+/// Decodes and checks a forward call: counts, x and weight against the attributes, y of x's
+/// dtype and shape, rstd of the accumulator dtype and x's leading shape.
+pub fn forward_operands<'a, 'r>(
+    args: &ArgsView<'a>,
+    rets: &mut ResultList<'r>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<ForwardOperands<'a, 'r>> {
+    count("arguments", args.len(), 1 + has_weight as usize)?;
+    count("results", rets.len(), 2)?;
+    let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
+    let (y, rstd) = (result(rets, 0)?, result(rets, 1)?);
+    expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
+    let lead = &x.dims()[..x.rank() - 1];
+    expect(
+        rstd.operand(),
+        rstd.dtype(),
+        rstd.dims(),
+        acc_dtype(x.dtype()),
+        lead,
+    )?;
+    Ok(ForwardOperands {
+        x,
+        w,
+        y,
+        rstd,
+        layout,
+    })
+}
+
+/// The checked operands of one `rmsnorm_bwd` call.
+pub struct BackwardOperands<'a, 'r> {
+    pub x: AnyBuffer<'a>,
+    pub w: Option<AnyBuffer<'a>>,
+    pub rstd: AnyBuffer<'a>,
+    pub dy: AnyBuffer<'a>,
+    pub dx: AnyResult<'r>,
+    pub dw: Option<AnyResult<'r>>,
+    pub layout: Layout,
+}
+
+/// Decodes and checks a backward call: arguments (x, [weight], rstd, dy), results (dx,
+/// [dweight]), each against x, the weight and the attributes.
+pub fn backward_operands<'a, 'r>(
+    args: &ArgsView<'a>,
+    rets: &mut ResultList<'r>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<BackwardOperands<'a, 'r>> {
+    let has_w = has_weight as usize;
+    count("arguments", args.len(), 3 + has_w)?;
+    count("results", rets.len(), 1 + has_w)?;
+    let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
+    let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
+    let lead = &x.dims()[..x.rank() - 1];
+    expect(
+        rstd.operand(),
+        rstd.dtype(),
+        rstd.dims(),
+        acc_dtype(x.dtype()),
+        lead,
+    )?;
+    expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
+    let dx = result(rets, 0)?;
+    expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;
+    let dw = match &w {
+        Some(w) => {
+            let dw = result(rets, 1)?;
+            expect(dw.operand(), dw.dtype(), dw.dims(), w.dtype(), w.dims())?;
+            Some(dw)
+        }
+        None => None,
+    };
+    Ok(BackwardOperands {
+        x,
+        w,
+        rstd,
+        dy,
+        dx,
+        dw,
+        layout,
+    })
 }

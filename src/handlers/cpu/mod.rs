@@ -17,7 +17,9 @@ use half::{bf16, f16};
 
 use super::error::HandlerError;
 use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
-use super::operands::{acc_dtype, count, expect, result, x_and_weight, Layout, X_DTYPES};
+use super::operands::{
+    backward_operands, forward_operands, BackwardOperands, ForwardOperands, Layout, X_DTYPES,
+};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
@@ -199,19 +201,13 @@ impl Execute for Forward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        count("arguments", args.len(), 1 + state.has_weight as usize)?;
-        count("results", rets.len(), 2)?;
-        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
-        let (y, rstd) = (result(&mut rets, 0)?, result(&mut rets, 1)?);
-        expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
-        let lead = &x.dims()[..x.rank() - 1];
-        expect(
-            rstd.operand(),
-            rstd.dtype(),
-            rstd.dims(),
-            acc_dtype(x.dtype()),
-            lead,
-        )?;
+        let ForwardOperands {
+            x,
+            w,
+            y,
+            rstd,
+            layout,
+        } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
         let call = ForwardCall { state, ctx, layout };
         match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
             (DataType::F32, None | Some(DataType::F32)) => call.run::<f32, f32, f32>(x, w, y, rstd),
@@ -301,38 +297,11 @@ impl Execute for Backward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let has_w = state.has_weight as usize;
-        count("arguments", args.len(), 3 + has_w)?;
-        count("results", rets.len(), 1 + has_w)?;
-        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
-        let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
-        let lead = &x.dims()[..x.rank() - 1];
-        expect(
-            rstd.operand(),
-            rstd.dtype(),
-            rstd.dims(),
-            acc_dtype(x.dtype()),
-            lead,
-        )?;
-        expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
-        let dx = result(&mut rets, 0)?;
-        expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;
-        let dw = match &w {
-            Some(w) => {
-                let dw = result(&mut rets, 1)?;
-                expect(dw.operand(), dw.dtype(), dw.dims(), w.dtype(), w.dims())?;
-                Some(dw)
-            }
-            None => None,
-        };
-        let call = BackwardCall { state, ctx, layout };
-        let ops = BackwardOperands {
-            x,
-            w,
-            rstd,
-            dy,
-            dx,
-            dw,
+        let ops = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        let call = BackwardCall {
+            state,
+            ctx,
+            layout: ops.layout,
         };
         match (ops.x.dtype(), ops.w.as_ref().map(|w| w.dtype())) {
             (DataType::F32, None | Some(DataType::F32)) => {
@@ -353,15 +322,6 @@ impl Execute for Backward {
             (other, _) => Err(HandlerError::dtype(ops.x.operand(), &X_DTYPES, other).into()),
         }
     }
-}
-
-struct BackwardOperands<'a> {
-    x: AnyBuffer<'a>,
-    w: Option<AnyBuffer<'a>>,
-    rstd: AnyBuffer<'a>,
-    dy: AnyBuffer<'a>,
-    dx: AnyResult<'a>,
-    dw: Option<AnyResult<'a>>,
 }
 
 /// The read-only operands of a backward call, sliced row range by row range.
@@ -416,7 +376,7 @@ struct BackwardCall<'s, 'c, 'a> {
 impl BackwardCall<'_, '_, '_> {
     fn run<T: Element, W: Element, A: Accum>(
         &self,
-        ops: BackwardOperands<'_>,
+        ops: BackwardOperands<'_, '_>,
         partials: &WorkspacePool<A>,
     ) -> FfiResult<()> {
         let Layout { rows, n, groups } = self.layout;

@@ -26,7 +26,9 @@ use dashmap::DashMap;
 use once_cell::sync::OnceCell;
 
 use super::error::HandlerError;
-use super::operands::{acc_dtype, count, expect, result, x_and_weight};
+use super::operands::{
+    acc_dtype, backward_operands, forward_operands, BackwardOperands, ForwardOperands,
+};
 use crate::ffi::{
     ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Initialize,
     Instantiate, ResultList, Traits,
@@ -252,14 +254,13 @@ impl Execute for GpuForward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        count("arguments", args.len(), 1 + state.has_weight as usize)?;
-        count("results", rets.len(), 2)?;
-        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
-        let (y, rstd) = (result(&mut rets, 0)?, result(&mut rets, 1)?);
-        expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
-        let lead = &x.dims()[..x.rank() - 1];
-        let acc = acc_dtype(x.dtype());
-        expect(rstd.operand(), rstd.dtype(), rstd.dims(), acc, lead)?;
+        let ForwardOperands {
+            x,
+            w,
+            y,
+            rstd,
+            layout,
+        } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
         if layout.rows == 0 {
             return Ok(());
         }
@@ -314,25 +315,16 @@ impl Execute for GpuBackward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let has_w = state.has_weight as usize;
-        count("arguments", args.len(), 3 + has_w)?;
-        count("results", rets.len(), 1 + has_w)?;
-        let (x, w, layout) = x_and_weight(&args, state.has_weight, state.row_len)?;
-        let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
-        let lead = &x.dims()[..x.rank() - 1];
+        let BackwardOperands {
+            x,
+            w,
+            rstd,
+            dy,
+            dx,
+            dw,
+            layout,
+        } = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
         let acc = acc_dtype(x.dtype());
-        expect(rstd.operand(), rstd.dtype(), rstd.dims(), acc, lead)?;
-        expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
-        let dx = result(&mut rets, 0)?;
-        expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;
-        let dw = match &w {
-            Some(w) => {
-                let dw = result(&mut rets, 1)?;
-                expect(dw.operand(), dw.dtype(), dw.dims(), w.dtype(), w.dims())?;
-                Some(dw)
-            }
-            None => None,
-        };
         let n = layout.n;
         if n == 0 || (layout.rows == 0 && dw.is_none()) {
             return Ok(());
