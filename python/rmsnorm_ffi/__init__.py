@@ -18,3 +18,23 @@ __all__ = [
     "stats",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`RMSNorm` (the Flax module) is imported on first use, so that flax stays optional and
+    `import rmsnorm_ffi` does not import it."""
+    if name == "RMSNorm":
+        try:
+            from rmsnorm_ffi._flax import RMSNorm
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] != "flax":
+                raise
+            raise ImportError(
+                "rmsnorm_ffi.RMSNorm needs flax, which is not installed: pip install 'rmsnorm_ffi[flax]'"
+            ) from e
+        return RMSNorm
+    raise AttributeError(f"module 'rmsnorm_ffi' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "RMSNorm"])

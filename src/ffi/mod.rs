@@ -15,6 +15,7 @@ pub mod capsule;
 pub mod context;
 pub mod dtype;
 pub mod error;
+pub mod export;
 #[cfg(any(test, feature = "fake-runtime"))]
 pub mod fake;
 pub mod frame;
