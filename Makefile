@@ -27,9 +27,11 @@ demo: develop
 stateful-demo: develop
 	$(PY) examples/stateful_demo.py
 
-# The example of a bundle in a crate of its own (examples/counter_bundle), built into target/.
+# The example of a bundle in a crate of its own (examples/counter_bundle). Its own target folder:
+# building it there also builds this crate's cdylib without the `python` feature, and in target/
+# that file would replace the extension `maturin develop` copies from target/release.
 counter-bundle:
-	CARGO_TARGET_DIR=target cargo build --release --quiet --manifest-path examples/counter_bundle/Cargo.toml
+	CARGO_TARGET_DIR=target/counter_bundle cargo build --release --quiet --manifest-path examples/counter_bundle/Cargo.toml
 
 # RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
 rust-test: $(DEPS)

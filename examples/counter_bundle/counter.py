@@ -1,7 +1,7 @@
 """Load, register and call the `counter_bundle` example (a stateful bundle in its own crate).
 
 Build the library first (from the repo root): `make counter-bundle`, which runs
-`CARGO_TARGET_DIR=target cargo build --release --manifest-path examples/counter_bundle/Cargo.toml`.
+`CARGO_TARGET_DIR=target/counter_bundle cargo build --release --manifest-path examples/counter_bundle/Cargo.toml`.
 Then `python examples/counter_bundle/counter.py` runs the demo at the bottom.
 
 The library exports one C function per bundle that returns a `BundleExport` (see
@@ -28,7 +28,7 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Where `make counter-bundle` puts it; COUNTER_BUNDLE_LIB overrides.
-DEFAULT_LIB = REPO / "target" / "release" / "libcounter_bundle.so"
+DEFAULT_LIB = REPO / "target" / "counter_bundle" / "release" / "libcounter_bundle.so"
 
 
 class BundleExport(ctypes.Structure):

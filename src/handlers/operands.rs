@@ -15,7 +15,8 @@ pub const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF1
 pub struct Layout {
     pub rows: usize,
     pub n: usize,
-    /// Weight groups: 1, or the product of the weight's leading (batch) dimensions.
+    /// Weight groups: 1, or the product of the weight's leading (batch) dimensions (0 if one
+    /// of them is 0, and then there are no rows either).
     pub groups: usize,
 }
 
@@ -53,11 +54,7 @@ fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerE
     Ok((lead.iter().product::<i64>() as usize, row_len))
 }
 
-fn check_weight(
-    x: &AnyBuffer<'_>,
-    w: &AnyBuffer<'_>,
-    rows: usize,
-) -> Result<usize, HandlerError> {
+fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>) -> Result<usize, HandlerError> {
     if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
         let accepted: &[DataType] = if x.dtype() == DataType::F32 {
             &[DataType::F32]
@@ -78,7 +75,8 @@ fn check_weight(
         ));
     }
     let groups = wd[..k].iter().product::<i64>() as usize;
-    Ok(if rows == 0 { groups.max(1) } else { groups })
+    // 0 when a batch dim is 0: then the weight gradient is empty and nothing may be written.
+    Ok(groups)
 }
 
 /// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
@@ -91,7 +89,7 @@ fn x_and_weight<'a>(
     let (rows, n) = check_x(&x, row_len)?;
     let w = if has_weight { Some(args.get(1)?) } else { None };
     let groups = match &w {
-        Some(w) => check_weight(&x, w, rows)?,
+        Some(w) => check_weight(&x, w)?,
         None => 1,
     };
     Ok((x, w, Layout { rows, n, groups }))

@@ -84,6 +84,13 @@ CASES = [
         "jax.vmap(rms_norm)(jnp.ones((2, 4, 8)), jnp.ones((2, 7)))",
         ("ValueError", r"weight must have shape \(8,\).*got \(7,\)"),
     ),
+    (
+        "vmap_over_an_empty_batch_with_mapped_weight",
+        "xs, ws = jnp.ones((0, 4, 8)), jnp.ones((0, 8))\n"
+        "dx, dw = jax.grad(lambda a, v: jax.vmap(rms_norm)(a, v).sum(), (0, 1))(xs, ws)\n"
+        "assert dx.shape == (0, 4, 8) and dw.shape == (0, 8)",
+        OK,
+    ),
     # --- attributes -------------------------------------------------------------------------
     ("eps_negative", "rms_norm(x, eps=-1e-5)", ("ValueError", r"eps must be finite and >= 0 .*got -1e-05")),
     ("eps_nan", "rms_norm(x, eps=float('nan'))", ("ValueError", r"eps must be finite and >= 0 .*got nan")),

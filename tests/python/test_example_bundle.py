@@ -24,7 +24,7 @@ def counter():
         build = subprocess.run(
             ["cargo", "build", "--release", "--quiet", "--manifest-path", str(CRATE / "Cargo.toml")],
             cwd=REPO,
-            env={**os.environ, "CARGO_TARGET_DIR": str(REPO / "target")},
+            env={**os.environ, "CARGO_TARGET_DIR": str(REPO / "target" / "counter_bundle")},
             capture_output=True,
             text=True,
             timeout=600,

@@ -68,8 +68,11 @@ template <> struct Elem<f16_t> {
   }
 };
 
-// VEC elements of T, loaded and stored with the widest accesses their size allows.
-template <typename T, int VEC> struct __align__(sizeof(T) * VEC) Pack { T e[VEC]; };
+// VEC elements of T, loaded and stored with the widest accesses their size allows. Aligned to
+// its size up to 16 bytes, which is all the callers guarantee (an f32 weight next to bf16 x is
+// a 32-byte pack read as two 16-byte loads).
+template <typename T, int VEC>
+struct __align__(sizeof(T) * VEC < 16 ? sizeof(T) * VEC : 16) Pack { T e[VEC]; };
 
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_pack(const T* base, i64 index) {
