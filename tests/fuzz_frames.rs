@@ -461,11 +461,7 @@ fn check_outcome(
 }
 
 fn register_types() {
-    for def in bundles() {
-        if let Some(registration) = (def.state)() {
-            fake::register_type(registration);
-        }
-    }
+    fake::register_bundle_types(bundles());
 }
 
 /// One call site's life for bundle `index`: instantiate, then up to three executions.

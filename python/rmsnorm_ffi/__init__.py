@@ -20,19 +20,23 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def _flax_module(what: str):
+    """`rmsnorm_ffi._flax`, which imports flax (an optional dependency); an ImportError that says
+    what to install when flax is missing, naming `what` needed it."""
+    try:
+        from rmsnorm_ffi import _flax
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "flax":
+            raise
+        raise ImportError(f"{what} needs flax, which is not installed: pip install 'rmsnorm_ffi[flax]'") from e
+    return _flax
+
+
 def __getattr__(name: str):
     """`RMSNorm` (the Flax module) is imported on first use, so that flax stays optional and
     `import rmsnorm_ffi` does not import it."""
     if name == "RMSNorm":
-        try:
-            from rmsnorm_ffi._flax import RMSNorm
-        except ModuleNotFoundError as e:
-            if e.name is None or e.name.split(".")[0] != "flax":
-                raise
-            raise ImportError(
-                "rmsnorm_ffi.RMSNorm needs flax, which is not installed: pip install 'rmsnorm_ffi[flax]'"
-            ) from e
-        return RMSNorm
+        return _flax_module("rmsnorm_ffi.RMSNorm").RMSNorm
     raise AttributeError(f"module 'rmsnorm_ffi' has no attribute {name!r}")
 
 

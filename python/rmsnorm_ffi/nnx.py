@@ -1,13 +1,8 @@
 """`rmsnorm_ffi.nnx.RMSNorm`: a drop-in for `flax.nnx.RMSNorm` (the Linen one is
 `rmsnorm_ffi.RMSNorm`). Importing this module imports flax, an optional dependency."""
 
-try:
-    from rmsnorm_ffi._flax import NnxRMSNorm as RMSNorm
-except ModuleNotFoundError as e:
-    if e.name is None or e.name.split(".")[0] != "flax":
-        raise
-    raise ImportError(
-        "rmsnorm_ffi.nnx needs flax, which is not installed: pip install 'rmsnorm_ffi[flax]'"
-    ) from e
+from rmsnorm_ffi import _flax_module
+
+RMSNorm = _flax_module("rmsnorm_ffi.nnx").NnxRMSNorm
 
 __all__ = ["RMSNorm"]

@@ -123,6 +123,33 @@ pub fn register_type(registration: &StateTypeRegistration) {
     assert!(err.is_null());
 }
 
+/// Registers the state type of every stateful bundle in `defs` (each once is enough; again is
+/// harmless, as with XLA).
+pub fn register_bundle_types(defs: &[super::BundleDef]) {
+    for def in defs {
+        if let Some(registration) = (def.state)() {
+            register_type(registration);
+        }
+    }
+}
+
+/// Runs `def`'s instantiate stage in `ctx` with `attrs` and no operands, as XLA does once per
+/// call site; the state it makes stays in `ctx`.
+pub fn instantiate(
+    ctx: &FakeContext,
+    def: &super::BundleDef,
+    attrs: Vec<(&str, OwnedAttr)>,
+) -> Result<(), (ErrorCode, String)> {
+    let handler = def
+        .handler(super::Stage::Instantiate)
+        .expect("the bundle has an instantiate stage");
+    let mut builder = FrameBuilder::new(super::Stage::Instantiate);
+    for (name, value) in attrs {
+        builder = builder.attr(name, value);
+    }
+    builder.build(ctx).call(handler)
+}
+
 /// An execution context: states per stage, device facts, and outstanding device memory.
 pub struct FakeContext {
     states: Mutex<HashMap<i32, (i64, usize)>>,

@@ -1,11 +1,59 @@
-//! The operand contract of the `rmsnorm_fwd` / `rmsnorm_bwd` targets, shared by the CPU and GPU
-//! bundles: which dtypes and shapes the arguments and results must have, checked against the
-//! attributes the call site was instantiated with. Every check names the operand it rejects.
+//! The contract of the `rmsnorm_fwd` / `rmsnorm_bwd` targets, shared by the CPU and GPU bundles:
+//! their attributes and the checks instantiate makes of them, and which dtypes and shapes the
+//! arguments and results must have, checked against those attributes. Every check names the
+//! attribute or operand it rejects.
 
 use super::error::HandlerError;
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, ResultList,
 };
+
+/// Longest row accepted (keeps workspaces bounded).
+pub const MAX_ROW_LEN: i64 = 1 << 26;
+
+crate::ffi_attrs! {
+    /// Attributes of `rmsnorm_fwd`.
+    pub struct ForwardAttrs {
+        /// Added to the mean square; finite and >= 0.
+        pub eps: f32,
+        /// Whether argument 1 is a weight.
+        pub has_weight: bool,
+        /// Length of the normalized (last) axis.
+        pub row_len: i64,
+    }
+}
+
+crate::ffi_attrs! {
+    /// Attributes of `rmsnorm_bwd`.
+    pub struct BackwardAttrs {
+        /// Whether argument 1 is a weight (and result 1 its gradient).
+        pub has_weight: bool,
+        /// Length of the normalized (last) axis.
+        pub row_len: i64,
+    }
+}
+
+/// `eps`: finite and >= 0 (it is added to a mean of squares).
+pub fn check_eps(eps: f32) -> Result<(), HandlerError> {
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(HandlerError::attribute(
+            "eps",
+            format!("must be finite and >= 0, got {eps}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `row_len`: in 0..=[`MAX_ROW_LEN`].
+pub fn check_row_len(row_len: i64) -> Result<usize, HandlerError> {
+    if !(0..=MAX_ROW_LEN).contains(&row_len) {
+        return Err(HandlerError::attribute(
+            "row_len",
+            format!("must be in 0..={MAX_ROW_LEN}, got {row_len}"),
+        ));
+    }
+    Ok(row_len as usize)
+}
 
 /// The dtypes of x (and y, dx, dy).
 pub const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];

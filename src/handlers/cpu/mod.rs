@@ -18,8 +18,10 @@ use half::{bf16, f16};
 use super::error::HandlerError;
 use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
 use super::operands::{
-    backward_operands, forward_operands, BackwardOperands, ForwardOperands, Layout, X_DTYPES,
+    backward_operands, check_eps, check_row_len, forward_operands, BackwardOperands,
+    ForwardOperands, Layout, X_DTYPES,
 };
+use super::operands::{BackwardAttrs, ForwardAttrs};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
@@ -31,48 +33,14 @@ use simd::Kernel;
 
 pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
 pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
-/// Longest row accepted (keeps workspaces bounded).
-pub const MAX_ROW_LEN: i64 = 1 << 26;
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
-
-crate::ffi_attrs! {
-    /// Attributes of `rmsnorm_fwd`.
-    pub struct ForwardAttrs {
-        /// Added to the mean square; finite and >= 0.
-        pub eps: f32,
-        /// Whether argument 1 is a weight.
-        pub has_weight: bool,
-        /// Length of the normalized (last) axis.
-        pub row_len: i64,
-    }
-}
-
-crate::ffi_attrs! {
-    /// Attributes of `rmsnorm_bwd`.
-    pub struct BackwardAttrs {
-        /// Whether argument 1 is a weight (and result 1 its gradient).
-        pub has_weight: bool,
-        /// Length of the normalized (last) axis.
-        pub row_len: i64,
-    }
-}
 
 /// Weight-gradient partial rows a backward pass may use for rows of `n`: up to
 /// [`MAX_BACKWARD_CHUNKS`], fewer for long rows (at most 16M elements in all, or one row when a
 /// single row is longer than that).
 fn partial_rows(n: usize) -> usize {
     ((16 << 20) / n.max(1)).clamp(1, MAX_BACKWARD_CHUNKS)
-}
-
-fn check_row_len(row_len: i64) -> Result<usize, HandlerError> {
-    if !(0..=MAX_ROW_LEN).contains(&row_len) {
-        return Err(HandlerError::attribute(
-            "row_len",
-            format!("must be in 0..={MAX_ROW_LEN}, got {row_len}"),
-        ));
-    }
-    Ok(row_len as usize)
 }
 
 /// Per-call-site state of `rmsnorm_fwd`.
@@ -108,13 +76,7 @@ impl Bundle for Forward {
 impl Instantiate for Forward {
     type Attrs<'a> = ForwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
-        if !attrs.eps.is_finite() || attrs.eps < 0.0 {
-            return Err(HandlerError::attribute(
-                "eps",
-                format!("must be finite and >= 0, got {}", attrs.eps),
-            )
-            .into());
-        }
+        check_eps(attrs.eps)?;
         Ok(ForwardState {
             live: LiveState::register(FORWARD_TARGET, "rmsnorm_ffi.RmsNormForwardState"),
             kernel: Kernel::detect(),

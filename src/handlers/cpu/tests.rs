@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use super::simd::Kernel;
 use super::*;
 use crate::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use crate::ffi::{NativeType, Stage, StateType};
+use crate::ffi::{NativeType, Stage};
 use crate::handlers::math;
 
 /// Deterministic pseudo-random values in [-2, 2).
@@ -87,8 +87,7 @@ fn every_instruction_set_matches_the_scalar_path_bit_for_bit() {
 // ---------------------------------------------------------------------------------------------
 
 fn register() {
-    fake::register_type(ForwardState::registration());
-    fake::register_type(BackwardState::registration());
+    fake::register_bundle_types(&[FORWARD_BUNDLE, BACKWARD_BUNDLE]);
 }
 
 fn instantiate(
@@ -96,13 +95,7 @@ fn instantiate(
     def: &BundleDef,
     attrs: Vec<(&str, OwnedAttr)>,
 ) -> Result<(), String> {
-    let mut b = FrameBuilder::new(Stage::Instantiate);
-    for (k, v) in attrs {
-        b = b.attr(k, v);
-    }
-    b.build(ctx)
-        .call(def.handler(Stage::Instantiate).unwrap())
-        .map_err(|e| e.1)
+    fake::instantiate(ctx, def, attrs).map_err(|e| e.1)
 }
 
 /// float64 reference: (y, rstd, dx, dw).

@@ -25,15 +25,14 @@ use std::sync::Arc;
 use dashmap::DashMap;
 use once_cell::sync::OnceCell;
 
-use super::error::HandlerError;
 use super::operands::{
-    acc_dtype, backward_operands, forward_operands, BackwardOperands, ForwardOperands,
+    acc_dtype, backward_operands, check_eps, check_row_len, forward_operands, BackwardAttrs,
+    BackwardOperands, ForwardAttrs, ForwardOperands,
 };
 use crate::ffi::{
     ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Initialize,
     Instantiate, ResultList, Traits,
 };
-use crate::handlers::cpu::{BackwardAttrs, ForwardAttrs, MAX_ROW_LEN};
 use crate::state::LiveState;
 use driver::{DeviceModule, GpuError, KernelArgs, LaunchConfig};
 use kernels::{Direction, Launch};
@@ -101,17 +100,6 @@ impl Devices {
     }
 }
 
-/// Validates `row_len` as the CPU targets do.
-fn check_row_len(row_len: i64) -> Result<usize, HandlerError> {
-    if !(0..=MAX_ROW_LEN).contains(&row_len) || row_len > i32::MAX as i64 {
-        return Err(HandlerError::attribute(
-            "row_len",
-            format!("must be in 0..={MAX_ROW_LEN}, got {row_len}"),
-        ));
-    }
-    Ok(row_len as usize)
-}
-
 /// Compiles the kernels for every visible device's capability (instantiate has no device).
 fn compile_for_visible_devices() -> FfiResult<()> {
     let cuda = driver::cuda()?;
@@ -161,13 +149,7 @@ impl Bundle for GpuForward {
 impl Instantiate for GpuForward {
     type Attrs<'a> = ForwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
-        if !attrs.eps.is_finite() || attrs.eps < 0.0 {
-            return Err(HandlerError::attribute(
-                "eps",
-                format!("must be finite and >= 0, got {}", attrs.eps),
-            )
-            .into());
-        }
+        check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         compile_for_visible_devices()?;
         Ok(GpuForwardState {

@@ -3,25 +3,14 @@
 
 use super::driver::{Cuda, GpuError, Nvrtc, Search};
 use super::*;
-use crate::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr};
-use crate::ffi::{ErrorCode, Stage, StateType};
+use crate::ffi::fake::{self, FakeContext, OwnedAttr};
+use crate::ffi::{ErrorCode, Stage};
 
 fn register() {
-    fake::register_type(GpuForwardState::registration());
-    fake::register_type(GpuBackwardState::registration());
+    fake::register_bundle_types(&[FORWARD_BUNDLE, BACKWARD_BUNDLE]);
 }
 
-fn instantiate(
-    ctx: &FakeContext,
-    def: &BundleDef,
-    attrs: Vec<(&str, OwnedAttr)>,
-) -> Result<(), (ErrorCode, String)> {
-    let mut b = FrameBuilder::new(Stage::Instantiate);
-    for (k, v) in attrs {
-        b = b.attr(k, v);
-    }
-    b.build(ctx).call(def.handler(Stage::Instantiate).unwrap())
-}
+use fake::instantiate;
 
 fn forward_attrs(eps: f32, row_len: i64) -> Vec<(&'static str, OwnedAttr)> {
     vec![
