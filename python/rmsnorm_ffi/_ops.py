@@ -1,18 +1,15 @@
 """RMS norm ops: `rms_norm` (differentiable), `rms_norm_fwd` and `rms_norm_bwd`.
 
 Each op checks its inputs in Python (raising `TypeError`/`ValueError` that name the argument)
-before anything is lowered, then calls the `rmsnorm_fwd` / `rmsnorm_bwd` FFI targets. The same
-target names are registered for every platform this build supports, so XLA picks the
-platform's implementation; the ops only check that the default backend is one of them.
-
-Under `jax.vmap` the targets use `vmap_method="broadcast_all"`: a mapped weight arrives with
-the batch dimensions in front, which the Rust handlers accept (one weight row per batch
-element, and per-element weight gradients, which JAX sums when the weight was not mapped).
+before anything is lowered, then binds the primitives of `_primitives`, which own the
+transformation rules (vmap, jvp and transposition, sharding) and lower to the `rmsnorm_fwd` /
+`rmsnorm_bwd` FFI targets. The same target names are registered for every platform this build
+supports, so XLA picks the platform's implementation; the ops only check that the default
+backend is one of them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from numbers import Real
 
@@ -20,17 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rmsnorm_ffi import _math, _primitives
+from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET
 from rmsnorm_ffi._registration import register
 
-FORWARD_TARGET = "rmsnorm_fwd"
-BACKWARD_TARGET = "rmsnorm_bwd"
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
 _FLOAT_NAMES = "float32, float64, bfloat16 or float16"
 
 
-def _acc_dtype(dtype) -> jnp.dtype:
-    """The dtype of rstd (and of accumulation): float64 for float64 input, else float32."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+_acc_dtype = _math.acc_dtype
 
 
 MAX_ROW_LEN = 1 << 26  # the Rust handlers' limit on the normalized axis
@@ -94,52 +89,6 @@ def _check_platform(op: str) -> None:
         )
 
 
-def _vma(*arrays) -> frozenset:
-    """The manual mesh axes (inside `shard_map`) along which any of `arrays` varies."""
-    axes: set = set()
-    for a in arrays:
-        if a is None:
-            continue
-        aval = jax.typeof(a)
-        mat = getattr(aval, "mat", None)  # jax >= 0.10: ShapedArray.mat.varying
-        varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-        axes |= set(varying or ())
-    return frozenset(axes)
-
-
-def _varying(out, axes: frozenset):
-    """`out` typed as varying along `axes`. FFI results carry no such type, but inside
-    `shard_map` an output varies wherever its inputs do (rows are independent)."""
-    missing = tuple(sorted(axes - _vma(out)))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-
-def _forward(x, weight, eps: float):
-    n = x.shape[-1]
-    call = jax.ffi.ffi_call(
-        FORWARD_TARGET,
-        (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape[:-1], _acc_dtype(x.dtype))),
-        vmap_method="broadcast_all",
-    )
-    args = (x,) if weight is None else (x, weight)
-    y, rstd = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(n))
-    axes = _vma(x, weight)
-    return _varying(y, axes), _varying(rstd, axes)
-
-
-def _backward(x, weight, rstd, dy):
-    n = x.shape[-1]
-    results = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    if weight is not None:
-        results.append(jax.ShapeDtypeStruct(weight.shape, weight.dtype))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
-    args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
-    out = call(*args, has_weight=weight is not None, row_len=np.int64(n))
-    axes = _vma(x, weight, rstd, dy)
-    dx = _varying(out[0], axes)
-    return (dx, None) if weight is None else (dx, _varying(out[1], axes))
-
-
 def rms_norm_fwd(x, weight=None, eps: float = 1e-5):
     """Forward pass: returns ``(y, rstd)`` with ``rstd.shape == x.shape[:-1]`` (float32, or
     float64 for float64 input) and ``y = x * rstd[..., None] * weight``."""
@@ -148,7 +97,7 @@ def rms_norm_fwd(x, weight=None, eps: float = 1e-5):
     weight = _check_weight(op, x, weight)
     eps = _check_eps(op, eps)
     _check_platform(op)
-    return _forward(x, weight, eps)
+    return _primitives.forward(x, weight, eps)
 
 
 def rms_norm_bwd(x, weight, rstd, dy):
@@ -166,74 +115,28 @@ def rms_norm_bwd(x, weight, rstd, dy):
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     _check_platform(op)
-    return _backward(x, weight, rstd, dy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm_weighted(x, weight, eps):
-    return _forward(x, weight, eps)[0]
-
-
-def _weighted_fwd(x, weight, eps):
-    y, rstd = _forward(x, weight, eps)
-    return y, (x, weight, rstd)
-
-
-def _weighted_bwd(eps, residuals, dy):
-    x, weight, rstd = residuals
-    dx, dweight = _backward(x, weight, rstd, dy)
-    # Inside `shard_map`, a weight shared by the shards gets the sum of their gradients.
-    shared = tuple(sorted(_vma(dweight) - _vma(weight)))
-    if shared:
-        dweight = jax.lax.psum(dweight, shared)
-    return dx, dweight
-
-
-_rms_norm_weighted.defvjp(_weighted_fwd, _weighted_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _rms_norm_plain(x, eps):
-    return _forward(x, None, eps)[0]
-
-
-def _plain_fwd(x, eps):
-    y, rstd = _forward(x, None, eps)
-    return y, (x, rstd)
-
-
-def _plain_bwd(eps, residuals, dy):
-    x, rstd = residuals
-    return (_backward(x, None, rstd, dy)[0],)
-
-
-_rms_norm_plain.defvjp(_plain_fwd, _plain_bwd)
+    return _primitives.backward(x, weight, rstd, dy)
 
 
 def rms_norm(x, weight=None, eps: float = 1e-5):
     """RMS norm over the last axis: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
     ``weight``, when given, has shape ``(x.shape[-1],)`` and x's dtype or float32. Returns an
-    array of x's shape and dtype. Differentiable in ``x`` and ``weight``; works under ``jit``,
-    ``vmap`` and ``grad``. Accumulates in float32 (float64 for float64 input).
+    array of x's shape and dtype, typed (sharding, varying manual axes) like x. Differentiable
+    in ``x`` and ``weight`` in both modes and to any order (first-order reverse mode is the
+    fused Rust backward; higher derivatives add jnp math); works under ``jit``, ``vmap``,
+    ``shard_map`` and explicit or automatic meshes. Accumulates in float32 (float64 for float64
+    input).
     """
     op = "rms_norm"
     x = _check_x(op, x)
     weight = _check_weight(op, x, weight)
     eps = _check_eps(op, eps)
     _check_platform(op)
-    if weight is None:
-        return _rms_norm_plain(x, eps)
-    return _rms_norm_weighted(x, weight, eps)
+    return _primitives.forward(x, weight, eps)[0]
 
 
 def rms_norm_reference(x, weight=None, eps: float = 1e-5):
-    """The same computation in jnp (float32 accumulation; float64 for float64), for tests and
-    benchmarks."""
-    x = jnp.asarray(x)
-    acc = _acc_dtype(x.dtype)
-    xf = x.astype(acc)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.asarray(eps, acc))
-    if weight is not None:
-        y = y * jnp.asarray(weight).astype(acc)
-    return y.astype(x.dtype)
+    """The same computation in jnp (float32 accumulation; float64 for float64 input), for tests
+    and benchmarks."""
+    return _math.reference(x, weight, eps)

@@ -1,0 +1,282 @@
+"""How the FFI calls are lowered, and partitioned when XLA shards them.
+
+Each of the four calls (forward and backward, with and without weight) is a
+`jax.experimental.custom_partitioning` function around `jax.ffi.ffi_call`. On one device, and
+inside a fully manual `shard_map`, custom_partitioning inlines the plain custom call. When XLA
+partitions the program over several devices (an automatic mesh, or an explicit one whose types
+the primitives carry), its partitioning callback runs the call per shard:
+
+- rows (every axis but the last) keep whatever sharding they have: no gather of x, y, dy or dx;
+- the normalized (last) axis is gathered if it was sharded (a row must be whole on a device),
+  and so is the weight's;
+- the weight gradient is summed over the mesh axes that shard the rows (not over axes that
+  only replicate them, and not over the axes of a batched weight's own batch dimensions); when
+  the weight itself is sharded along those axes (FSDP), the sum is a reduce-scatter;
+- rows that do not divide evenly over their devices are padded by XLA; the backward masks the
+  padding so that it never reaches the weight gradient.
+
+The Shardy rule names one factor per row dimension and ``n`` for the last axis, which must be
+replicated; GSPMD gets the same shardings from `infer_sharding_from_operands`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rmsnorm_ffi._math import acc_dtype
+
+FORWARD_TARGET = "rmsnorm_fwd"
+BACKWARD_TARGET = "rmsnorm_bwd"
+
+
+def _struct(like, shape, dtype):
+    """A result spec typed like the operand `like` (its sharding, when it has one) so that the
+    custom call's result keeps the operand's sharding type under an explicit mesh."""
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    if sharding is not None and not sharding.mesh.empty:
+        sharding = NamedSharding(sharding.mesh, P(*_spec(sharding.spec, like.ndim)[: len(shape)]))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _forward_call(x, weight, eps: float):
+    call = jax.ffi.ffi_call(
+        FORWARD_TARGET, (_struct(x, x.shape, x.dtype), _struct(x, x.shape[:-1], acc_dtype(x.dtype)))
+    )
+    args = (x,) if weight is None else (x, weight)
+    y, rstd = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    return y, rstd
+
+
+def _backward_call(x, weight, rstd, dy):
+    results = [_struct(x, x.shape, x.dtype)]
+    if weight is not None:
+        results.append(_struct(weight, weight.shape, weight.dtype))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results))
+    args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
+    out = call(*args, has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    return (out[0], None) if weight is None else (out[0], out[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Shardings
+
+
+def _spec(spec, ndim: int) -> tuple:
+    """A partition spec as a tuple of exactly `ndim` entries (None where unsharded)."""
+    entries = tuple(spec)[:ndim]
+    return entries + (None,) * (ndim - len(entries))
+
+
+def _axes(entry) -> tuple:
+    """The mesh axes of one spec entry, in order."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _row_spec(x_shape) -> tuple:
+    """The sharding of x's row dimensions, from the operand's sharding."""
+    return _spec(x_shape.sharding.spec, len(x_shape.shape))[:-1]
+
+
+def _named(mesh, *entries) -> NamedSharding:
+    return NamedSharding(mesh, P(*entries))
+
+
+def _weight_batch(weight_shape) -> int:
+    """How many batch dimensions a (vmapped) weight carries before its last axis."""
+    return len(weight_shape.shape) - 1
+
+
+def _summed_axes(rows: tuple, k: int) -> tuple:
+    """The mesh axes over which the weight gradient must be summed: those that shard the rows
+    beyond a batched weight's own `k` batch dimensions."""
+    return tuple(a for entry in rows[k:] for a in _axes(entry))
+
+
+def _scattered_axes(weight_shape, summed: tuple) -> tuple:
+    """The weight's own sharding of its last axis, when every axis of it is also summed over
+    (FSDP): the gradient is then reduce-scattered along those axes, else ()."""
+    axes = _axes(_spec(weight_shape.sharding.spec, len(weight_shape.shape))[-1])
+    return axes if axes and set(axes) <= set(summed) else ()
+
+
+def _forward_shardings(mesh, arg_shapes):
+    rows = _row_spec(arg_shapes[0])
+    args = [_named(mesh, *rows, None)]
+    if len(arg_shapes) == 2:
+        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[1])], None))
+    return tuple(args), (_named(mesh, *rows, None), _named(mesh, *rows))
+
+
+def _backward_shardings(mesh, arg_shapes):
+    has_weight = len(arg_shapes) == 4
+    rows = _row_spec(arg_shapes[0])
+    x_sharding, rows_sharding = _named(mesh, *rows, None), _named(mesh, *rows)
+    results = [x_sharding]
+    if has_weight:
+        k = _weight_batch(arg_shapes[1])
+        w_sharding = _named(mesh, *rows[:k], None)
+        args = [x_sharding, w_sharding, rows_sharding, x_sharding]
+        scattered = _scattered_axes(arg_shapes[1], _summed_axes(rows, k))
+        results.append(_named(mesh, *rows[:k], scattered or None))
+    else:
+        args = [x_sharding, rows_sharding, x_sharding]
+    return tuple(args), tuple(results)
+
+
+def _shardy_rule(value_types, n_weight_batch: int | None, backward: bool):
+    """One factor per row dimension (r0, r1, ...) and ``n`` (replicated) for the last axis."""
+    rank = len(value_types[0].shape)
+    rows = tuple(f"r{i}" for i in range(rank - 1))
+    x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
+    w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "n")
+    if backward:
+        operands = (x, r, x) if w is None else (x, w, r, x)
+        results = (x,) if w is None else (x, w)
+    else:
+        operands = (x,) if w is None else (x, w)
+        results = (x, r)
+    return SdyShardingRule(operands, results, need_replication_factors=("n",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding: rows that do not divide evenly over their devices
+
+
+def _row_mask(mesh, x_global_shape, rows: tuple, x_local):
+    """A boolean array of the local row shape, False on rows that XLA added as padding, or None
+    when every row dimension divides evenly over its devices."""
+    mask = None
+    local_rows = x_local.shape[:-1]
+    for dim, (entry, size) in enumerate(zip(rows, x_global_shape[:-1])):
+        axes = _axes(entry)
+        shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        if size % shards == 0:
+            continue
+        start = jax.lax.axis_index(axes) * local_rows[dim]
+        index = jax.lax.broadcasted_iota(jnp.int32, local_rows, dim) + start
+        valid = index < size
+        mask = valid if mask is None else mask & valid
+    return mask
+
+
+def _masked(mask, x, rstd, dy):
+    """Padding rows set to zero in x, rstd and dy: they then add nothing to the weight gradient
+    (even with eps=0, where the padding's rstd would be inf) and their dx is zero."""
+    if mask is None:
+        return x, rstd, dy
+    keep = mask[..., None]
+    return (
+        jnp.where(keep, x, jnp.zeros((), x.dtype)),
+        jnp.where(mask, rstd, jnp.zeros((), rstd.dtype)),
+        jnp.where(keep, dy, jnp.zeros((), dy.dtype)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The four partitioned calls
+
+
+def _forward_partition(eps, mesh, arg_shapes, result_shape):
+    args, results = _forward_shardings(mesh, arg_shapes)
+    return mesh, (lambda x, *w: _forward_call(x, w[0] if w else None, eps)), results, args
+
+
+def _backward_partition(mesh, arg_shapes, result_shape):
+    args, results = _backward_shardings(mesh, arg_shapes)
+    has_weight = len(arg_shapes) == 4
+    rows = _row_spec(arg_shapes[0])
+    x_global = arg_shapes[0].shape
+    if has_weight:
+        k = _weight_batch(arg_shapes[1])
+        summed = _summed_axes(rows, k)
+        scattered = _scattered_axes(arg_shapes[1], summed)
+    else:
+        summed = scattered = ()
+
+    def run(*operands):
+        x, weight, rstd, dy = operands if has_weight else (operands[0], None, *operands[1:])
+        x, rstd, dy = _masked(_row_mask(mesh, x_global, rows, x), x, rstd, dy)
+        dx, dw = _backward_call(x, weight, rstd, dy)
+        if not has_weight:
+            return (dx,)
+        if scattered:
+            rest = tuple(a for a in summed if a not in scattered)
+            if rest:
+                dw = jax.lax.psum(dw, rest)
+            dw = jax.lax.psum_scatter(dw, scattered, scatter_dimension=dw.ndim - 1, tiled=True)
+        elif summed:
+            dw = jax.lax.psum(dw, summed)
+        return dx, dw
+
+    return mesh, run, results, args
+
+
+def _make_forward(has_weight: bool):
+    if has_weight:
+
+        def forward(x, weight, eps):
+            return _forward_call(x, weight, eps)
+
+    else:
+
+        def forward(x, eps):
+            return _forward_call(x, None, eps)
+
+    eps_index = 2 if has_weight else 1
+    fn = custom_partitioning(forward, static_argnums=(eps_index,))
+    fn.def_partition(
+        partition=_forward_partition,
+        infer_sharding_from_operands=lambda eps, mesh, arg_shapes, result_shape: _forward_shardings(
+            mesh, arg_shapes
+        )[1],
+        sharding_rule=lambda eps, mesh, value_types, result_types: _shardy_rule(
+            value_types, len(value_types[1].shape) - 1 if has_weight else None, backward=False
+        ),
+    )
+    return fn
+
+
+def _make_backward(has_weight: bool):
+    if has_weight:
+
+        def backward(x, weight, rstd, dy):
+            return _backward_call(x, weight, rstd, dy)
+
+    else:
+
+        def backward(x, rstd, dy):
+            return _backward_call(x, None, rstd, dy)[:1]
+
+    fn = custom_partitioning(backward)
+    fn.def_partition(
+        partition=_backward_partition,
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _backward_shardings(
+            mesh, arg_shapes
+        )[1],
+        sharding_rule=lambda mesh, value_types, result_types: _shardy_rule(
+            value_types, len(value_types[1].shape) - 1 if has_weight else None, backward=True
+        ),
+    )
+    return fn
+
+
+@functools.cache
+def partitioned_forward(has_weight: bool):
+    """``f(x, [weight], eps) -> (y, rstd)``, partitioned as the module docstring says."""
+    return _make_forward(has_weight)
+
+
+@functools.cache
+def partitioned_backward(has_weight: bool):
+    """``f(x, [weight], rstd, dy) -> (dx, [dweight])``, partitioned as the module docstring says."""
+    return _make_backward(has_weight)

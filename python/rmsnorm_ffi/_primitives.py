@@ -1,0 +1,333 @@
+"""The RMS norm as three JAX primitives that own every transformation rule.
+
+- ``rmsnorm_fwd``: ``(x, [weight]) -> (y, rstd)``, lowered to the Rust forward.
+- ``rmsnorm_bwd``: ``(x, [weight], rstd, dy) -> (dx, [dweight])``, lowered to the fused Rust
+  backward.
+- ``rmsnorm_tangent``: ``(x, [weight], rstd, tx, [tw]) -> (ty, trstd)``, the forward's tangent,
+  linear in ``(tx, tw)``. Evaluated forwards it is jnp math; its **transpose is the fused Rust
+  backward**, so `grad` (JAX's linearize-then-transpose) runs one ``rmsnorm_bwd`` per norm.
+
+Rules, each for all three:
+
+- abstract evaluation carries the types: y like x, rstd like x without its last axis, dweight
+  like the weight, with their shardings (explicit meshes) and varying manual axes (`shard_map`);
+- batching folds mapped axes into rows: one call per op whatever the vmap nesting; a mapped
+  weight becomes a batched weight ``(*batch, n)`` (still one call), and so does an unmapped one
+  whenever per-example weight gradients are needed (`vmap(grad)` must not sum them);
+- JVP: the forward's is ``rmsnorm_tangent``; the backward's and the tangent's are jnp math
+  (`_math`), so higher orders work while first-order reverse mode stays on Rust;
+- lowering: `_partitioning` (custom_partitioning around `ffi_call`), which partitions per shard.
+
+The weight's batch dimensions ``wb`` are a prefix of x's leading dimensions (what the Rust
+handlers accept). Operands of one call are first cast to the same varying manual axes, so a
+weight replicated across `shard_map` shards gets the sum of the shards' gradients by the
+transpose of that cast.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rmsnorm_ffi import _math
+from rmsnorm_ffi._partitioning import partitioned_backward, partitioned_forward
+
+forward_p = Primitive("rmsnorm_fwd")
+backward_p = Primitive("rmsnorm_bwd")
+tangent_p = Primitive("rmsnorm_tangent")
+for _p in (forward_p, backward_p, tangent_p):
+    _p.multiple_results = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Binding: operands on the same varying manual axes
+
+
+def _vma(value) -> frozenset:
+    """The manual mesh axes (inside `shard_map`) along which `value` varies."""
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: ShapedArray.mat.varying
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())
+
+
+def _aligned(*values):
+    """`values` cast to vary along the union of their varying manual axes."""
+    axes = frozenset().union(*(_vma(v) for v in values))
+    out = []
+    for v in values:
+        missing = tuple(sorted(axes - _vma(v)))
+        out.append(jax.lax.pcast(v, missing, to="varying") if missing else v)
+    return out
+
+
+def forward(x, weight, eps: float):
+    """``(y, rstd)``."""
+    args = (x,) if weight is None else (x, weight)
+    return tuple(forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
+
+
+def backward(x, weight, rstd, dy):
+    """``(dx, dweight)``; dweight is None without weight."""
+    args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
+    out = backward_p.bind(*_aligned(*args), has_weight=weight is not None)
+    return (out[0], None) if weight is None else (out[0], out[1])
+
+
+def _tangent(x, weight, rstd, tx, tw):
+    args = (x, rstd, tx) if weight is None else (x, weight, rstd, tx, tw)
+    return tuple(tangent_p.bind(*_aligned(*args), has_weight=weight is not None))
+
+
+def _split(args, has_weight: bool, names: str):
+    """Operands by role: `names` is the operand order with a weight ("xwrd"), the weight-like
+    letters being dropped when there is none."""
+    order = names if has_weight else names.replace("w", "").replace("v", "")
+    found = dict(zip(order, args))
+    return [found.get(c) for c in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract evaluation
+
+
+def _without_last(aval):
+    sharding = aval.sharding
+    spec = tuple(sharding.spec)[: aval.ndim] + (None,) * max(0, aval.ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, P(*spec[:-1]))
+
+
+def _forward_abstract(*avals, eps, has_weight):
+    x = avals[0]
+    rstd = x.update(shape=x.shape[:-1], dtype=_math.acc_dtype(x.dtype), sharding=_without_last(x))
+    return [x.update(weak_type=False), rstd]
+
+
+def _backward_abstract(*avals, has_weight):
+    x, w, _, _ = _split(avals, has_weight, "xwrd")
+    out = [x.update(weak_type=False)]
+    if has_weight:
+        # Typed like the weight, on the operands' varying axes.
+        out.append(w.update(weak_type=False))
+    return out
+
+
+def _tangent_abstract(*avals, has_weight):
+    x, _, rstd, _, _ = _split(avals, has_weight, "xwrtv")
+    return [x.update(weak_type=False), rstd]
+
+
+forward_p.def_abstract_eval(_forward_abstract)
+backward_p.def_abstract_eval(_backward_abstract)
+tangent_p.def_abstract_eval(_tangent_abstract)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and lowering
+
+
+def _apply(prim):
+    """Eager evaluation: the primitive compiled alone, as JAX's own primitives are."""
+    from jax._src import dispatch
+
+    return lambda *args, **params: dispatch.apply_primitive(prim, *args, **params)
+
+
+def _forward_lowered(*args, eps, has_weight):
+    return partitioned_forward(has_weight)(*args, eps)
+
+
+def _backward_lowered(*args, has_weight):
+    return partitioned_backward(has_weight)(*args)
+
+
+def _tangent_math(*args, has_weight):
+    x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
+    return list(_math.tangent(x, w, rstd, tx, tw))
+
+
+def _checked(rule):
+    """A lowering that first refuses what cannot be exported (see `_check_exportable`)."""
+
+    def lower(ctx, *args, **params):
+        _check_exportable(ctx)
+        return rule(ctx, *args, **params)
+
+    return lower
+
+
+def _check_exportable(ctx) -> None:
+    """`jax.export` cannot serialize custom_partitioning's callback, which a call partitioned
+    by XLA over several devices needs: say so, rather than JAX's "host_callbacks" error."""
+    params = getattr(ctx.module_context, "lowering_parameters", None)
+    if not getattr(params, "for_export", False):
+        return
+    axis_context = ctx.module_context.axis_context
+    manual = set(getattr(axis_context, "manual_axes", ()) or ())
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is not None and manual and manual == set(mesh.axis_names):
+        return  # fully manual (shard_map): the call is inlined per device
+    devices = getattr(axis_context, "device_assignment", None)
+    count = len(devices) if devices is not None else getattr(axis_context, "num_devices", 1)
+    if count and count > 1:
+        raise ValueError(
+            f"rmsnorm_ffi: cannot jax.export a program that XLA partitions rms_norm in over "
+            f"{count} devices: its partitioning rule is a jax.experimental.custom_partitioning "
+            "callback, which jax.export cannot serialize. Export the per-device computation "
+            "(call rms_norm inside jax.shard_map over all mesh axes), or export for one device."
+        )
+
+
+for _p in (forward_p, backward_p, tangent_p):
+    _p.def_impl(_apply(_p))
+mlir.register_lowering(forward_p, _checked(mlir.lower_fun(_forward_lowered, multiple_results=True)))
+mlir.register_lowering(backward_p, _checked(mlir.lower_fun(_backward_lowered, multiple_results=True)))
+mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_math, multiple_results=True))
+
+try:
+    # Lowering a custom_partitioning call needs the devices (jax's cuDNN attention and
+    # TransformerEngine register their primitives the same way).
+    from jax._src import dispatch as _dispatch
+
+    _dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p})
+except (ImportError, AttributeError):  # pragma: no cover - older/newer private layout
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching: mapped axes folded into rows
+
+
+def _to_front(value, dim, size, batch_spec=None):
+    """`value` with its batch axis first; broadcast along a new first axis if not mapped, that
+    axis sharded like `batch_spec` (the x operand's batch axis, under an explicit mesh)."""
+    if dim is not None:
+        return jnp.moveaxis(value, dim, 0)
+    shape = (size, *value.shape)
+    sharding = jax.typeof(value).sharding
+    if batch_spec is None or sharding.mesh.empty:
+        return jnp.broadcast_to(value, shape)
+    spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
+    return jnp.broadcast_to(value, shape, out_sharding=NamedSharding(sharding.mesh, P(batch_spec, *spec)))
+
+
+def _batch_spec(value):
+    """The sharding (a spec entry) of `value`'s first axis under an explicit mesh, else None."""
+    sharding = jax.typeof(value).sharding
+    return None if sharding.mesh.empty or not sharding.spec else sharding.spec[0]
+
+
+def _fold(args, dims, roles: str, weight_batched_out: bool):
+    """Operands for one call over the folded batch, and whether the weight-like ones are now
+    batched. `roles` names each operand: x-like ('x') or weight-like ('w'). A weight broadcast
+    along the batch is sharded like x's batch axis, so its gradient is too."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    weights = [(a, d) for a, d, r in zip(args, dims, roles) if r == "w"]
+    batch_weight = bool(weights) and (
+        weight_batched_out
+        or any(d is not None for _, d in weights)
+        or any(a.ndim > 1 for a, _ in weights)  # a batched weight's prefix must stay x's
+    )
+    rows = [_to_front(a, d, size) if r == "x" else None for a, d, r in zip(args, dims, roles)]
+    spec = next((_batch_spec(a) for a, d, r in zip(args, dims, roles) if r == "x" and d is not None), None)
+    out = []
+    for a, d, r, row in zip(args, dims, roles, rows):
+        if r == "x":
+            out.append(row)
+        elif batch_weight:
+            out.append(_to_front(a, d, size, spec))
+        else:
+            out.append(a)
+    return out, batch_weight
+
+
+def _forward_batch(args, dims, *, eps, has_weight):
+    roles = "xw" if has_weight else "x"
+    folded, _ = _fold(args, dims, roles, weight_batched_out=False)
+    return forward_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0]
+
+
+def _backward_batch(args, dims, *, has_weight):
+    # Per-example weight gradients: the weight is batched whenever anything is.
+    roles = "xwxx" if has_weight else "xxx"
+    folded, _ = _fold(args, dims, roles, weight_batched_out=True)
+    out = backward_p.bind(*folded, has_weight=has_weight)
+    return out, [0] * len(out)
+
+
+def _tangent_batch(args, dims, *, has_weight):
+    roles = "xwxxw" if has_weight else "xxx"
+    folded, _ = _fold(args, dims, roles, weight_batched_out=False)
+    return tangent_p.bind(*folded, has_weight=has_weight), [0, 0]
+
+
+batching.primitive_batchers[forward_p] = _forward_batch
+batching.primitive_batchers[backward_p] = _backward_batch
+batching.primitive_batchers[tangent_p] = _tangent_batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation
+
+
+def _instantiate(tangent, primal):
+    return ad.instantiate_zeros(tangent) if type(tangent) is ad.Zero else tangent
+
+
+def _forward_jvp(primals, tangents, *, eps, has_weight):
+    x, w = primals if has_weight else (primals[0], None)
+    y, rstd = forward(x, w, eps)
+    tx = _instantiate(tangents[0], x)
+    tw = _instantiate(tangents[1], w) if has_weight else None
+    ty, trstd = _tangent(x, w, rstd, tx, tw)
+    return (y, rstd), (ty, trstd)
+
+
+def _tangent_transpose(cts, *args, has_weight):
+    x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
+    ct_y, ct_rstd = cts
+    for primal in (x, w, rstd):
+        if ad.is_undefined_primal(primal):
+            raise NotImplementedError("rmsnorm_tangent is linear in its tangents only")
+    want_x = ad.is_undefined_primal(tx)
+    want_w = has_weight and ad.is_undefined_primal(tw)
+    none = [None] * len(args)
+    if type(ct_y) is ad.Zero and type(ct_rstd) is ad.Zero:
+        return none
+    if type(ct_y) is ad.Zero:
+        ct_y = jnp.zeros(x.shape, x.dtype)
+    dx, dw = backward(x, w, rstd, ct_y)  # the fused Rust backward
+    if type(ct_rstd) is not ad.Zero:
+        dx = dx + _math.rstd_cotangent(x, rstd, ct_rstd)
+    out = [None, None, None, dx if want_x else None, dw if want_w else None]
+    return out if has_weight else [out[0], out[2], out[3]]
+
+
+def _math_jvp(prim, math):
+    """A JVP whose primal is `prim` itself and whose tangent is jnp `math` under `jax.jvp`."""
+
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        tangents = [
+            jnp.zeros(p.shape, p.dtype) if type(t) is ad.Zero else t for p, t in zip(primals, tangents)
+        ]
+        _, out_tangents = jax.jvp(lambda *a: list(math(*a, **params)), list(primals), tangents)
+        return out, out_tangents
+
+    return jvp
+
+
+def _backward_math(*args, has_weight):
+    x, w, rstd, dy = _split(args, has_weight, "xwrd")
+    dx, dw = _math.backward(x, w, rstd, dy)
+    return [dx] if w is None else [dx, dw]
+
+
+ad.primitive_jvps[forward_p] = _forward_jvp
+ad.primitive_jvps[backward_p] = _math_jvp(backward_p, _backward_math)
+ad.primitive_jvps[tangent_p] = _math_jvp(tangent_p, _tangent_math)
+ad.primitive_transposes[tangent_p] = _tangent_transpose
