@@ -36,29 +36,33 @@ FORWARD_TARGET = "rmsnorm_fwd"
 BACKWARD_TARGET = "rmsnorm_bwd"
 
 
-def _struct(like, shape, dtype):
-    """A result spec typed like the operand `like` (its sharding, when it has one) so that the
-    custom call's result keeps the operand's sharding type under an explicit mesh."""
+def _struct(like, shape, dtype, typed: bool):
+    """A result spec, typed like the operand `like` (its sharding, when it has one) if `typed`,
+    so that the inlined call's result keeps the operand's sharding type under an explicit mesh.
+    Per-shard code (`typed=False`) gets plain specs: there, a result typed with the caller's
+    explicit mesh would put sharding annotations into psum's reduction body, which XLA
+    rejects ("Unsupported reduction computation", seen on jax 0.12)."""
     sharding = getattr(jax.typeof(like), "sharding", None)
-    if sharding is not None and not sharding.mesh.empty:
+    if typed and sharding is not None and not sharding.mesh.empty:
         sharding = NamedSharding(sharding.mesh, P(*_spec(sharding.spec, like.ndim)[: len(shape)]))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _forward_call(x, weight, eps: float):
+def _forward_call(x, weight, eps: float, typed: bool = True):
     call = jax.ffi.ffi_call(
-        FORWARD_TARGET, (_struct(x, x.shape, x.dtype), _struct(x, x.shape[:-1], acc_dtype(x.dtype)))
+        FORWARD_TARGET,
+        (_struct(x, x.shape, x.dtype, typed), _struct(x, x.shape[:-1], acc_dtype(x.dtype), typed)),
     )
     args = (x,) if weight is None else (x, weight)
     y, rstd = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
     return y, rstd
 
 
-def _backward_call(x, weight, rstd, dy):
-    results = [_struct(x, x.shape, x.dtype)]
+def _backward_call(x, weight, rstd, dy, typed: bool = True):
+    results = [_struct(x, x.shape, x.dtype, typed)]
     if weight is not None:
-        results.append(_struct(weight, weight.shape, weight.dtype))
+        results.append(_struct(weight, weight.shape, weight.dtype, typed))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results))
     args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
     out = call(*args, has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
@@ -188,17 +192,17 @@ def _masked(mask, x, rstd, dy):
 
 def _forward_partition(eps, mesh, arg_shapes, result_shape):
     args, results = _forward_shardings(mesh, arg_shapes)
-    return mesh, (lambda x, *w: _forward_call(x, w[0] if w else None, eps)), results, args
+    return mesh, (lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)), results, args
 
 
-def _backward_partition(mesh, arg_shapes, result_shape):
-    args, results = _backward_shardings(mesh, arg_shapes)
+def _per_shard_backward(mesh, arg_shapes):
+    """The backward one device runs on its shard: the call on its rows (padding masked), then
+    the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows."""
     has_weight = len(arg_shapes) == 4
     rows = _row_spec(arg_shapes[0])
     x_global = arg_shapes[0].shape
     if has_weight:
-        k = _weight_batch(arg_shapes[1])
-        summed = _summed_axes(rows, k)
+        summed = _summed_axes(rows, _weight_batch(arg_shapes[1]))
         scattered = _scattered_axes(arg_shapes[1], summed)
     else:
         summed = scattered = ()
@@ -206,7 +210,7 @@ def _backward_partition(mesh, arg_shapes, result_shape):
     def run(*operands):
         x, weight, rstd, dy = operands if has_weight else (operands[0], None, *operands[1:])
         x, rstd, dy = _masked(_row_mask(mesh, x_global, rows, x), x, rstd, dy)
-        dx, dw = _backward_call(x, weight, rstd, dy)
+        dx, dw = _backward_call(x, weight, rstd, dy, typed=False)
         if not has_weight:
             return (dx,)
         if scattered:
@@ -218,7 +222,66 @@ def _backward_partition(mesh, arg_shapes, result_shape):
             dw = jax.lax.psum(dw, summed)
         return dx, dw
 
-    return mesh, run, results, args
+    return run
+
+
+def _backward_partition(mesh, arg_shapes, result_shape):
+    args, results = _backward_shardings(mesh, arg_shapes)
+    return mesh, _per_shard_backward(mesh, arg_shapes), results, args
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit meshes: the shardings are in the types, so the calls are lowered as a shard_map
+
+
+def is_explicit(aval) -> bool:
+    """Whether `aval` is typed on a mesh whose axes are all Explicit: its sharding is then
+    known when lowering, and a `shard_map` runs the calls per shard. (A custom_partitioning
+    callback would work too, but jax 0.12 then puts sharding annotations into psum's reduction
+    body, which XLA rejects; and a shard_map can be exported.)"""
+    mesh = aval.sharding.mesh
+    explicit = jax.sharding.AxisType.Explicit
+    return not mesh.empty and all(t == explicit for t in mesh.axis_types)
+
+
+def _shard_mapped(per_shard, operands, shardings):
+    """`per_shard` run on each device's shard of `operands`, under `shard_map` with the specs
+    of `shardings` = (argument shardings, result shardings)."""
+    args, results = shardings
+    mesh = jax.typeof(operands[0]).sharding.mesh
+    # An explicit mesh wants the operands resharded first (a gathered last axis or weight).
+    operands = [jax.sharding.reshard(o, s.spec) if jax.typeof(o).sharding.spec != s.spec else o for o, s in zip(operands, args)]
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=tuple(s.spec for s in args),
+        out_specs=tuple(s.spec for s in results),
+        check_vma=False,  # the FFI results are per shard by construction
+    )(*operands)
+
+
+def explicit_forward(operands, eps, out_avals):
+    shapes = [jax.typeof(o) for o in operands]
+    shardings = _forward_shardings(shapes[0].sharding.mesh, shapes)
+    per_shard = lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)
+    return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
+
+
+def explicit_backward(operands, out_avals):
+    shapes = [jax.typeof(o) for o in operands]
+    mesh = shapes[0].sharding.mesh
+    outs = _shard_mapped(_per_shard_backward(mesh, shapes), operands, _backward_shardings(mesh, shapes))
+    return _typed_like(outs, out_avals)
+
+
+def _typed_like(values, avals):
+    """`values` resharded to the shardings of `avals` where they differ."""
+    out = []
+    for v, aval in zip(values, avals):
+        if jax.typeof(v).sharding.spec != aval.sharding.spec:
+            v = jax.sharding.reshard(v, aval.sharding.spec)
+        out.append(v)
+    return tuple(out)
 
 
 def _make_forward(has_weight: bool):

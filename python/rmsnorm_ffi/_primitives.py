@@ -33,8 +33,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rmsnorm_ffi import _math
-from rmsnorm_ffi._partitioning import partitioned_backward, partitioned_forward
+from rmsnorm_ffi import _math, _partitioning
 
 forward_p = Primitive("rmsnorm_fwd")
 backward_p = Primitive("rmsnorm_bwd")
@@ -138,11 +137,15 @@ def _apply(prim):
 
 
 def _forward_lowered(*args, eps, has_weight):
-    return partitioned_forward(has_weight)(*args, eps)
+    if _partitioning.is_explicit(jax.typeof(args[0])):
+        return _partitioning.explicit_forward(args, eps, _forward_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight))
+    return _partitioning.partitioned_forward(has_weight)(*args, eps)
 
 
 def _backward_lowered(*args, has_weight):
-    return partitioned_backward(has_weight)(*args)
+    if _partitioning.is_explicit(jax.typeof(args[0])):
+        return _partitioning.explicit_backward(args, _backward_abstract(*map(jax.typeof, args), has_weight=has_weight))
+    return _partitioning.partitioned_backward(has_weight)(*args)
 
 
 def _tangent_math(*args, has_weight):
@@ -166,6 +169,8 @@ def _check_exportable(ctx) -> None:
     params = getattr(ctx.module_context, "lowering_parameters", None)
     if not getattr(params, "for_export", False):
         return
+    if _partitioning.is_explicit(ctx.avals_in[0]):
+        return  # lowered as a shard_map, which jax.export serializes
     axis_context = ctx.module_context.axis_context
     manual = set(getattr(axis_context, "manual_axes", ()) or ())
     mesh = getattr(axis_context, "mesh", None)
