@@ -1,5 +1,8 @@
 """`rmsnorm_ffi.nnx.RMSNorm`: a drop-in for `flax.nnx.RMSNorm` (the Linen one is
-`rmsnorm_ffi.RMSNorm`). Importing this module imports flax, an optional dependency."""
+`rmsnorm_ffi.RMSNorm`): the same constructor, `scale` parameter and dtype rules, with any
+`promote_dtype` (flax's default, the identity, any other), so always flax's result dtype;
+values equal to flax's up to float32 rounding (see `rmsnorm_ffi._flax` for the measured ulps).
+Importing this module imports flax, an optional dependency."""
 
 from rmsnorm_ffi import _flax_module
 

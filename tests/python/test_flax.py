@@ -1,4 +1,7 @@
-"""`rmsnorm_ffi.RMSNorm` against `flax.linen.RMSNorm`: parameters, outputs, gradients, errors."""
+"""`rmsnorm_ffi.RMSNorm` and `rmsnorm_ffi.nnx.RMSNorm` against flax's: parameters, outputs (the
+whole dtype matrix, custom `promote_dtype` included), gradients, errors."""
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +232,13 @@ def _nnx_pair(features, **kwargs):
 
     import rmsnorm_ffi.nnx
 
-    return rmsnorm_ffi.nnx.RMSNorm(features, rngs=nnx.Rngs(1), **kwargs), nnx.RMSNorm(features, rngs=nnx.Rngs(1), **kwargs)
+    ours = rmsnorm_ffi.nnx.RMSNorm(features, rngs=nnx.Rngs(1), **kwargs)
+    theirs = nnx.RMSNorm(features, rngs=nnx.Rngs(1), **kwargs)
+    if theirs.scale is not None:
+        # Same initial parameter: the comparisons below are with identical params.
+        assert ours.scale[...].dtype == theirs.scale[...].dtype
+        np.testing.assert_array_equal(np.asarray(ours.scale[...], np.float64), np.asarray(theirs.scale[...], np.float64))
+    return ours, theirs
 
 
 def _nnx_grads(module, x, cotangent):
@@ -252,8 +261,7 @@ def test_nnx_outputs_and_gradients_match_flax(config):
     x_dtype, param_dtype, dtype = config
     x = _input(x_dtype)
     ours, theirs = _nnx_pair(x.shape[-1], param_dtype=param_dtype, dtype=dtype, scale_init=nnx.initializers.normal(1.0))
-    assert ours.scale[...].dtype == theirs.scale[...].dtype == jnp.dtype(param_dtype)
-    np.testing.assert_array_equal(np.asarray(ours.scale[...], np.float32), np.asarray(theirs.scale[...], np.float32))
+    assert ours.scale[...].dtype == jnp.dtype(param_dtype)
     want = theirs(x)
     got = ours(x)
     rtol, atol = _tolerance(want.dtype, x_dtype, param_dtype)
@@ -271,3 +279,161 @@ def test_nnx_without_scale_and_bad_axes():
     bad, _ = _nnx_pair(x.shape[-1], reduction_axes=(1, 2))
     with pytest.raises(ValueError, match="reduction_axes must be the last axis"):
         bad(x)
+
+
+def _identity_promote(args, dtype=None):
+    """No promotion at all (flax's own nnx/Linen equivalence tests pass such a function): x and
+    the scale reach the normalization in their own dtypes."""
+    return args
+
+
+def _bfloat16_promote(args, dtype=None):
+    """Casts x and the scale to bfloat16, whatever `dtype` says."""
+    return tuple(None if a is None else jnp.asarray(a, jnp.bfloat16) for a in args)
+
+
+@pytest.mark.parametrize(
+    "promote, config",
+    [
+        # The two reported bugs: a float32 result where flax gives bfloat16, and a TypeError
+        # for a half-precision scale with float32 x.
+        (_identity_promote, (jnp.float32, jnp.float32, jnp.bfloat16)),
+        (_identity_promote, (jnp.float32, jnp.bfloat16, None)),
+        (_identity_promote, (jnp.float32, jnp.float16, None)),
+        (_identity_promote, (jnp.bfloat16, jnp.float16, None)),  # float32 result
+        (_identity_promote, (jnp.float16, jnp.float32, jnp.float16)),
+        (_bfloat16_promote, (jnp.float32, jnp.float32, None)),
+        (_bfloat16_promote, (jnp.float32, jnp.float32, jnp.float32)),
+    ],
+    ids=lambda v: _name(v) if isinstance(v, tuple) else v.__name__.strip("_"),
+)
+def test_nnx_custom_promote_outputs_and_gradients_match_flax(promote, config):
+    x_dtype, param_dtype, dtype = config
+    x = _input(x_dtype)
+    ours, theirs = _nnx_pair(
+        x.shape[-1], param_dtype=param_dtype, dtype=dtype, promote_dtype=promote, scale_init=nn.initializers.normal(1.0)
+    )
+    want = theirs(x)
+    got = jax.jit(lambda x: ours(x))(x)
+    # The gradients go through the promoted dtypes too (bfloat16 for _bfloat16_promote).
+    promoted = [a.dtype for a in promote((x, theirs.scale[...]), dtype=dtype)]
+    rtol, atol = _tolerance(want.dtype, x_dtype, param_dtype, *promoted)
+    _assert_close(got, want, rtol, atol)
+    cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32).astype(want.dtype)
+    (ds_got, dx_got), (ds_want, dx_want) = _nnx_grads(ours, x, cotangent), _nnx_grads(theirs, x, cotangent)
+    _assert_close(dx_got, dx_want, rtol, atol)
+    _assert_close(ds_got, ds_want, rtol, atol * 15)
+
+
+# --- the dtype matrix -------------------------------------------------------------------------
+#
+# Every x dtype x param_dtype x dtype (None or each float) x promote_dtype (nnx: flax's default,
+# the identity, a fixed cast to bfloat16; Linen has no promote_dtype) x use_scale, for both
+# modules, against flax's module with identical parameters: the result dtype must be flax's,
+# the values within ULPS of flax's.
+
+FLOATS = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+PROMOTE = {"default": None, "identity": _identity_promote, "to_bfloat16": _bfloat16_promote}
+MATRIX_SHAPE = (4, 96)
+
+# Allowed difference in ulps of the result dtype; in parentheses the largest difference
+# measured over this matrix with 341 rows of 96 and 32 rows of 1024, three seeds each. The op
+# computes (x * rstd) * scale with rstd = 1 / sqrt(mean + eps), flax x * (rsqrt(mean + eps) *
+# scale), and both sum in their own order: each is within about 2.5 ulp of the exact float32
+# result, in either direction. A half-precision result is the same float32 (float64) value
+# rounded once more, so the two differ by at most one final rounding.
+ULPS = {
+    jnp.dtype(jnp.float32): 6,  # (5 with rows of 96, 6 with rows of 1024)
+    jnp.dtype(jnp.bfloat16): 1,  # (1)
+    jnp.dtype(jnp.float16): 1,  # (1)
+    jnp.dtype(jnp.float64): 16,  # (7, 8): float64 sums in another order
+}
+# Where flax takes the statistics in float32 but multiplies in float64 (a float64 scale or
+# float64 x with a narrower `dtype`), the op takes them in float64: a float64 result differs
+# from flax's by float32 rounding. Allowed: this many float32 ulps (measured 2.3).
+F64_RESULT_FROM_F32_STATS_ULPS = 3
+
+
+def _matrix(kind):
+    cases = []
+    promotes = ["-"] if kind == "linen" else list(PROMOTE)
+    for x_dtype, param_dtype, dtype, promote, use_scale in itertools.product(
+        FLOATS, FLOATS, (None, *FLOATS), promotes, (True, False)
+    ):
+        if not use_scale and param_dtype != jnp.float32:
+            continue  # param_dtype is unused without a scale
+        name = f"{kind}-x_{_name((x_dtype,))}-param_{_name((param_dtype,))}-dtype_{_name((dtype,))}"
+        name += ("" if kind == "linen" else f"-promote_{promote}") + ("" if use_scale else "-noscale")
+        cases.append(pytest.param(kind, x_dtype, param_dtype, dtype, promote, use_scale, id=name))
+    return cases
+
+
+def _ulps(got, want, unit):
+    """max |got - want| in ulps of `want` as a `unit` number (subnormal spacing near zero)."""
+    info = jnp.finfo(unit)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    _, exponent = np.frexp(np.abs(want))
+    ulp = np.maximum(np.ldexp(1.0, exponent - 1 - info.nmant), np.ldexp(1.0, info.minexp - info.nmant))
+    return float(np.max(np.abs(got - want) / ulp))
+
+
+@pytest.mark.parametrize("kind, x_dtype, param_dtype, dtype, promote, use_scale", _matrix("linen") + _matrix("nnx"))
+def test_dtype_matrix_matches_flax(kind, x_dtype, param_dtype, dtype, promote, use_scale):
+    from flax import nnx
+
+    uses_f64 = any(d is jnp.float64 for d in (x_dtype, param_dtype, dtype))
+    kwargs = dict(param_dtype=param_dtype, dtype=dtype, use_scale=use_scale, scale_init=nn.initializers.normal(1.0))
+    with jax.enable_x64(uses_f64):
+        x = _input(x_dtype, MATRIX_SHAPE)
+        if kind == "linen":
+            ours, theirs = _pair(**kwargs)
+            variables = theirs.init(jax.random.key(1), x)
+            want, got = theirs.apply(variables, x), ours.apply(variables, x)
+            x_seen = x  # what flax's normalization sees
+        else:
+            if PROMOTE[promote] is not None:
+                kwargs["promote_dtype"] = PROMOTE[promote]
+            ours, theirs = _nnx_pair(x.shape[-1], **kwargs)
+            want, got = theirs(x), ours(x)
+            assert isinstance(ours, nnx.RMSNorm)
+            x_seen, _ = theirs.promote_dtype((x, theirs.scale[...] if use_scale else None), dtype=dtype)
+    assert got.dtype == want.dtype, f"result dtype {got.dtype}, flax's {want.dtype}"
+    assert got.shape == want.shape
+    stats_dtype = jnp.promote_types(x_seen.dtype if dtype is None else dtype, jnp.float32)
+    if want.dtype == jnp.float64 and stats_dtype == jnp.float32:
+        unit, limit = jnp.float32, F64_RESULT_FROM_F32_STATS_ULPS
+    else:
+        unit, limit = want.dtype, ULPS[jnp.dtype(want.dtype)]
+    ulps = _ulps(got, want, unit)
+    assert ulps <= limit, f"{ulps} {jnp.dtype(unit).name} ulps from flax's result (allowed {limit})"
+
+
+def test_nnx_with_identity_promote_is_linen():
+    """As for flax's modules: nnx's RMSNorm with the identity promote_dtype is Linen's, here
+    bit for bit (one code path)."""
+    from flax import nnx
+
+    import rmsnorm_ffi.nnx
+
+    x_dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    for x_dtype, param_dtype, dtype in itertools.product(x_dtypes, x_dtypes, (None, *x_dtypes)):
+        x = _input(x_dtype, MATRIX_SHAPE)
+        kwargs = dict(param_dtype=param_dtype, dtype=dtype, scale_init=nn.initializers.normal(1.0))
+        nnx_norm = rmsnorm_ffi.nnx.RMSNorm(x.shape[-1], promote_dtype=_identity_promote, rngs=nnx.Rngs(1), **kwargs)
+        linen = rmsnorm_ffi.RMSNorm(**kwargs).apply({"params": {"scale": nnx_norm.scale[...]}}, x)
+        got = nnx_norm(x)
+        assert got.dtype == linen.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(linen, np.float64))
+
+
+def test_integer_input_as_flax_and_complex_rejected():
+    # flax computes an integer input in float32 (a float32 result); complex input it supports,
+    # the op does not.
+    x = jnp.arange(-20, 28, dtype=jnp.int32).reshape(3, 16)
+    ours, theirs = _pair(scale_init=nn.initializers.normal(1.0))
+    variables = theirs.init(jax.random.key(1), x)
+    _assert_close(ours.apply(variables, x), theirs.apply(variables, x), *TOLERANCES[jnp.dtype(jnp.float32)])
+    nnx_ours, nnx_theirs = _nnx_pair(16)
+    _assert_close(nnx_ours(x), nnx_theirs(x), *TOLERANCES[jnp.dtype(jnp.float32)])
+    with pytest.raises(TypeError, match=r"rmsnorm_ffi.RMSNorm: x \(complex64\)"):
+        ours.apply(variables, x.astype(jnp.complex64))
