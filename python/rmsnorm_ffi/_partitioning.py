@@ -100,10 +100,10 @@ def _weight_batch(weight_shape) -> int:
     return len(weight_shape.shape) - 1
 
 
-def _summed_axes(rows: tuple, k: int) -> tuple:
+def _summed_axes(mesh, rows: tuple, k: int) -> tuple:
     """The mesh axes over which the weight gradient must be summed: those that shard the rows
-    beyond a batched weight's own `k` batch dimensions."""
-    return tuple(a for entry in rows[k:] for a in _axes(entry))
+    beyond a batched weight's own `k` batch dimensions (an axis of size 1 needs no sum)."""
+    return tuple(a for entry in rows[k:] for a in _axes(entry) if mesh.shape[a] > 1)
 
 
 def _scattered_axes(weight_shape, summed: tuple) -> tuple:
@@ -130,7 +130,7 @@ def _backward_shardings(mesh, arg_shapes):
         k = _weight_batch(arg_shapes[1])
         w_sharding = _named(mesh, *rows[:k], None)
         args = [x_sharding, w_sharding, rows_sharding, x_sharding]
-        scattered = _scattered_axes(arg_shapes[1], _summed_axes(rows, k))
+        scattered = _scattered_axes(arg_shapes[1], _summed_axes(mesh, rows, k))
         results.append(_named(mesh, *rows[:k], scattered or None))
     else:
         args = [x_sharding, rows_sharding, x_sharding]
@@ -138,18 +138,22 @@ def _backward_shardings(mesh, arg_shapes):
 
 
 def _shardy_rule(value_types, n_weight_batch: int | None, backward: bool):
-    """One factor per row dimension (r0, r1, ...) and ``n`` (replicated) for the last axis."""
+    """One factor per row dimension (r0, r1, ...), ``n`` (replicated) for x's last axis and a
+    factor of its own, ``m``, for the weight's: a sharded weight (FSDP, or along a model axis)
+    then does not propagate its sharding into x, y or dy through this op."""
     rank = len(value_types[0].shape)
     rows = tuple(f"r{i}" for i in range(rank - 1))
     x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
-    w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "n")
+    w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "m")
     if backward:
         operands = (x, r, x) if w is None else (x, w, r, x)
         results = (x,) if w is None else (x, w)
     else:
         operands = (x,) if w is None else (x, w)
         results = (x, r)
-    return SdyShardingRule(operands, results, need_replication_factors=("n",))
+    if w is None:
+        return SdyShardingRule(operands, results, need_replication_factors=("n",))
+    return SdyShardingRule(operands, results, need_replication_factors=("n", "m"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +206,7 @@ def _per_shard_backward(mesh, arg_shapes):
     rows = _row_spec(arg_shapes[0])
     x_global = arg_shapes[0].shape
     if has_weight:
-        summed = _summed_axes(rows, _weight_batch(arg_shapes[1]))
+        summed = _summed_axes(mesh, rows, _weight_batch(arg_shapes[1]))
         scattered = _scattered_axes(arg_shapes[1], summed)
     else:
         summed = scattered = ()

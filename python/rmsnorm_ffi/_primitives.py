@@ -182,8 +182,9 @@ def _check_exportable(ctx) -> None:
         raise ValueError(
             f"rmsnorm_ffi: cannot jax.export a program that XLA partitions rms_norm in over "
             f"{count} devices: its partitioning rule is a jax.experimental.custom_partitioning "
-            "callback, which jax.export cannot serialize. Export the per-device computation "
-            "(call rms_norm inside jax.shard_map over all mesh axes), or export for one device."
+            "callback, which jax.export cannot serialize. Shard it on an explicit mesh instead "
+            "(jax.make_mesh's default axis type; that lowering exports), call rms_norm inside "
+            "jax.shard_map over all mesh axes, or export for one device."
         )
 
 
