@@ -4,11 +4,15 @@ Importing the package registers nothing; the ops call :func:`register` on first 
 idempotent and thread-safe), and :func:`stats` reports the live-state registry.
 """
 
+from rmsnorm_ffi._export import deserialize, export, export_checks
 from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
 from rmsnorm_ffi._registration import register, registered_platforms
 from rmsnorm_ffi._stats import stats
 
 __all__ = [
+    "deserialize",
+    "export",
+    "export_checks",
     "register",
     "registered_platforms",
     "rms_norm",
