@@ -86,7 +86,7 @@ python-test: develop counter-bundle
 # and the crate (about 25 s, and again for .venv after it); this way cargo has nothing to do.
 NEW_STACK_TESTS = $(sort $(wildcard $(addprefix tests/python/, test_rmsnorm.py test_flax.py \
 	test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py test_attributes.py \
-	test_stages_and_context.py test_stateful.py test_concurrency.py test_*sharding*.py test_ad*.py \
+	test_stages_and_context.py test_stateful.py test_concurrency.py test_batching.py test_*sharding*.py test_ad*.py \
 	test_*_ad.py test_*_ad_*.py test_*export*.py test_*distributed*.py)))
 
 python-test-new: $(DEPS) $(DEPS_NEW)
