@@ -18,11 +18,35 @@ use std::marker::PhantomData;
 
 use super::attrs::DecodeAttrs;
 use super::buffer::{DecodeArgs, DecodeRets};
-use super::context::{Context, Stage};
+use super::context::Context;
 use super::error::FfiResult;
+use super::metadata::HandlerInfo;
+use super::stage::Stage;
 use super::sys;
-use super::trampoline::{handle, HandlerInfo};
-use super::types::{BundleState, StateType, StateTypeRegistration};
+use super::trampoline::handle;
+use super::types::{StateType, StateTypeRegistration};
+
+/// The state a bundle's stages share: a [`StateType`] made by its instantiate stage, or
+/// [`NoState`].
+pub trait BundleState: Send + Sync + 'static {
+    /// The registration of the state type; `None` for stateless bundles.
+    fn state_registration() -> Option<&'static StateTypeRegistration>;
+    /// The state of the executing call site.
+    fn fetch<'a>(ctx: &Context<'a>) -> FfiResult<&'a Self>;
+}
+
+/// The state of a stateless bundle.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoState;
+
+impl BundleState for NoState {
+    fn state_registration() -> Option<&'static StateTypeRegistration> {
+        None
+    }
+    fn fetch<'a>(_ctx: &Context<'a>) -> FfiResult<&'a Self> {
+        Ok(&NoState)
+    }
+}
 
 /// Handler traits, as XLA's bit set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +65,7 @@ pub trait Bundle: Sized + 'static {
     /// The custom-call target name.
     const TARGET: &'static str;
     const TRAITS: Traits = Traits::NONE;
-    /// [`super::types::NoState`] for stateless bundles.
+    /// [`NoState`] for stateless bundles.
     type State: BundleState;
 }
 
@@ -257,4 +281,35 @@ pub fn check_bundle(def: &BundleDef) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Declares that a Rust type is an XLA FFI state type called `$name` in XLA's registry.
+///
+/// ```text
+/// struct MyState { table: Vec<f32> }
+/// rmsnorm_ffi::state_type!(MyState, "my_crate.MyState");
+/// ```
+#[macro_export]
+macro_rules! state_type {
+    ($ty:ty, $name:expr) => {
+        impl $crate::ffi::types::StateType for $ty {
+            fn registration() -> &'static $crate::ffi::types::StateTypeRegistration {
+                static REGISTRATION: $crate::ffi::types::StateTypeRegistration =
+                    $crate::ffi::types::StateTypeRegistration::new::<$ty>($name);
+                &REGISTRATION
+            }
+        }
+
+        impl $crate::ffi::bundle::BundleState for $ty {
+            fn state_registration(
+            ) -> ::std::option::Option<&'static $crate::ffi::types::StateTypeRegistration> {
+                ::std::option::Option::Some(<$ty as $crate::ffi::types::StateType>::registration())
+            }
+            fn fetch<'a>(
+                ctx: &$crate::ffi::context::Context<'a>,
+            ) -> $crate::ffi::error::FfiResult<&'a Self> {
+                ctx.state::<$ty>()
+            }
+        }
+    };
 }

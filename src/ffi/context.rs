@@ -4,61 +4,14 @@
 //! call (the state) is owned by XLA, not by the context.
 
 use std::ffi::c_void;
-use std::fmt;
 use std::ptr::{self, NonNull};
 
 use super::api::{api_fn, Api};
 use super::error::{FfiError, FfiResult};
+use super::panic;
+use super::stage::Stage;
 use super::sys;
-use super::trampoline;
 use super::types::StateType;
-
-/// The four execution stages of a handler bundle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Stage {
-    Instantiate,
-    Prepare,
-    Initialize,
-    Execute,
-}
-
-impl Stage {
-    pub const ALL: [Stage; 4] = [
-        Stage::Instantiate,
-        Stage::Prepare,
-        Stage::Initialize,
-        Stage::Execute,
-    ];
-
-    pub fn to_raw(self) -> sys::XLA_FFI_ExecutionStage {
-        match self {
-            Stage::Instantiate => sys::XLA_FFI_ExecutionStage::INSTANTIATE,
-            Stage::Prepare => sys::XLA_FFI_ExecutionStage::PREPARE,
-            Stage::Initialize => sys::XLA_FFI_ExecutionStage::INITIALIZE,
-            Stage::Execute => sys::XLA_FFI_ExecutionStage::EXECUTE,
-        }
-    }
-
-    pub fn from_raw(raw: sys::XLA_FFI_ExecutionStage) -> Option<Stage> {
-        Stage::ALL.into_iter().find(|s| s.to_raw() == raw)
-    }
-
-    /// The name JAX uses for the stage in `register_ffi_target`'s dict.
-    pub fn name(self) -> &'static str {
-        match self {
-            Stage::Instantiate => "instantiate",
-            Stage::Prepare => "prepare",
-            Stage::Initialize => "initialize",
-            Stage::Execute => "execute",
-        }
-    }
-}
-
-impl fmt::Display for Stage {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// A platform stream (`CUstream` on CUDA), never dereferenced by this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -321,7 +274,7 @@ impl Drop for DeviceMemory<'_> {
         // freed once.
         let err = unsafe { free(&mut args) };
         if let Err(e) = self.ctx.api.check("XLA_FFI_DeviceMemory_Free", err) {
-            trampoline::report_unreturnable::<()>(Err(e));
+            panic::report_unreturnable::<()>(Err(e));
         }
     }
 }
@@ -331,12 +284,12 @@ unsafe extern "C" fn run_boxed_task(data: *mut c_void) {
     // SAFETY: `data` is the `Box<Box<dyn FnOnce>>` that `schedule` leaked; XLA runs each task
     // once.
     let task = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send + 'static>>()) };
-    let result = trampoline::catch(
+    let result = panic::catch(
         || "a task on XLA's thread pool".to_string(),
         move || {
             task();
             Ok(())
         },
     );
-    trampoline::report_unreturnable(result);
+    panic::report_unreturnable(result);
 }

@@ -5,8 +5,9 @@ use std::ptr;
 use super::api::Api;
 use super::attrs::{Attrs, DecodeAttrs};
 use super::buffer::{ArgsView, DecodeArgs, DecodeRets, RetsView};
-use super::context::{Context, Stage};
+use super::context::Context;
 use super::error::{DecodeErrors, FfiError, FfiResult};
+use super::stage::Stage;
 use super::sys;
 
 /// One call frame, checked to be at least as large as the struct this crate knows. Only the

@@ -5,8 +5,20 @@
 use std::ptr;
 
 use super::error::{FfiError, FfiResult};
+use super::stage::Stage;
 use super::sys;
-use super::trampoline::HandlerInfo;
+use super::types::StateTypeRegistration;
+
+/// What a handler declares about itself: the metadata XLA asks for (traits, the state type it
+/// creates), and its target and stage, which the trampoline puts in every error message.
+#[derive(Clone, Copy)]
+pub struct HandlerInfo {
+    pub target: &'static str,
+    pub stage: Stage,
+    pub traits: sys::XLA_FFI_Handler_Traits,
+    /// The state type this handler creates (instantiate stages of stateful bundles).
+    pub creates_state: Option<&'static StateTypeRegistration>,
+}
 
 /// Extension chains longer than this are treated as malformed (XLA sends one).
 const MAX_EXTENSIONS: usize = 64;

@@ -4,6 +4,26 @@
 //! declares bundles ([`bundle`]), decodes typed arguments, results and attributes ([`buffer`],
 //! [`attrs`]), uses the context ([`context`]) and returns [`error::FfiError`]; the
 //! [`trampoline`] turns panics and errors into `XLA_FFI_Error`s.
+//!
+//! # Layers
+//!
+//! Each module uses only modules of lower layers (no two modules import each other, directly or
+//! through a cycle; `tests/ffi_layers.rs` checks every `use` against this list):
+//!
+//! 1. [`sys`]: the C mirror.
+//! 2. leaves: [`error`], [`dtype`], [`stage`], then [`panic`] (panic catching; it needs only
+//!    the error type).
+//! 3. [`api`]: the checked function table.
+//! 4. [`buffer`], then [`attrs`] (attributes share the list check of buffers).
+//! 5. [`types`]: state types, their ids and deleters.
+//! 6. [`context`]: state, stream, device, thread pool, device memory.
+//! 7. [`frame`] (a validated call frame and its decoding) and [`parallel`] (loops on XLA's pool).
+//! 8. [`metadata`]: the registration-time answer, and what a handler declares about itself.
+//! 9. [`trampoline`]: the handler entry every `extern "C"` handler goes through.
+//! 10. [`bundle`]: stage traits, the generic entries, bundle declarations.
+//! 11. [`export`] (a bundle as C data), then `capsule` (PyCapsules, feature `python`).
+//!
+//! `fake` (tests only) may use any of them.
 #![allow(unsafe_code)]
 
 pub mod api;
@@ -20,7 +40,9 @@ pub mod export;
 pub mod fake;
 pub mod frame;
 pub mod metadata;
+pub mod panic;
 pub mod parallel;
+pub mod stage;
 pub mod sys;
 #[cfg(test)]
 mod tests;
@@ -29,8 +51,11 @@ pub mod types;
 
 pub use attrs::{AttrValue, Attrs, DecodeAttrs, FromAttr, Scalar};
 pub use buffer::{AnyBuffer, AnyResult, ArgsView, Buffer, Operand, ResultBuffer, ResultList};
-pub use bundle::{Bundle, BundleDef, Execute, Initialize, Instantiate, Prepare, Traits};
-pub use context::{Context, Stage, Stream};
+pub use bundle::{
+    Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, Traits,
+};
+pub use context::{Context, Stream};
 pub use dtype::{DataType, NativeType};
 pub use error::{DecodeErrors, ErrorCode, FfiError, FfiResult};
-pub use types::{BundleState, NoState, StateType, StateTypeRegistration};
+pub use stage::Stage;
+pub use types::{StateType, StateTypeRegistration};

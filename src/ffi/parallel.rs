@@ -184,14 +184,14 @@ impl ParallelJobs {
 unsafe extern "C" fn run_task(data: *mut c_void) {
     // SAFETY: `data` is an `Arc<JobSlot>` leaked by `run` for this task alone.
     let slot = unsafe { Arc::from_raw(data.cast_const().cast::<JobSlot>()) };
-    let result = super::trampoline::catch(
+    let result = super::panic::catch(
         || "a parallel loop task".into(),
         || {
             slot.work();
             Ok(())
         },
     );
-    super::trampoline::report_unreturnable(result);
+    super::panic::report_unreturnable(result);
 }
 
 /// An output split into numbered chunks that parallel loop bodies may each take once, mutably.

@@ -1,75 +1,22 @@
-//! The one place where panics are caught, and the entry every handler goes through.
+//! The handler entry: the body of every `extern "C"` handler XLA calls.
 //!
-//! Unwinding across an `extern "C"` boundary aborts the process (or worse), so every function XLA
-//! calls — handlers, state deleters, thread-pool tasks — runs its body inside [`catch`]. For
-//! handlers, [`handle`] also does what every handler must do first: check the call frame's
-//! size, answer the metadata extension without decoding anything, check the stage, and turn
-//! any error into an `XLA_FFI_Error` carrying the target's name.
+//! [`handle`] does what every handler must do first: check the call frame's size, answer the
+//! metadata extension without decoding anything, check the stage, run the stage's body inside
+//! [`super::panic::catch`], and turn any error into an `XLA_FFI_Error` carrying the target's
+//! name. Only [`super::bundle`]'s generic entries sit above it.
 
-use std::any::Any;
 use std::io::Write;
 use std::mem::size_of;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::api::Api;
-use super::context::Stage;
 use super::error::{FfiError, FfiResult};
 use super::frame::Frame;
-use super::metadata;
+use super::metadata::{self, HandlerInfo};
+use super::panic::catch;
+use super::stage::Stage;
 use super::sys;
-use super::types::StateTypeRegistration;
-
-/// Runs `body`, turning a panic into [`FfiError::Panic`] that names `context`.
-pub fn catch<R>(
-    context: impl FnOnce() -> String,
-    body: impl FnOnce() -> FfiResult<R>,
-) -> FfiResult<R> {
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(result) => result,
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
-            // Dropping a payload can itself panic; that second panic is swallowed (and its
-            // payload leaked) rather than let it unwind into C.
-            if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
-                std::mem::forget(again);
-            }
-            Err(FfiError::Panic {
-                context: context(),
-                message,
-            })
-        }
-    }
-}
-
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(a panic payload that is not a string)".to_string()
-    }
-}
-
-/// Reports an error where the C signature has no way to return one (deleters, tasks). A
-/// failed write to stderr is ignored: it must not panic here.
-pub fn report_unreturnable<R>(result: FfiResult<R>) {
-    if let Err(e) = result {
-        let _ = writeln!(std::io::stderr(), "rmsnorm_ffi: {e}");
-    }
-}
-
-/// What the trampoline knows about the handler it runs.
-#[derive(Clone, Copy)]
-pub struct HandlerInfo {
-    pub target: &'static str,
-    pub stage: Stage,
-    pub traits: sys::XLA_FFI_Handler_Traits,
-    /// The state type this handler creates (instantiate stages of stateful bundles).
-    pub creates_state: Option<&'static StateTypeRegistration>,
-}
 
 /// The last valid API table seen. XLA has one table per process; a frame that comes without
 /// one (some runtimes send the metadata call so) still gets its errors reported through it.

@@ -3,18 +3,18 @@
 //!
 //! XLA owns a state from the moment the instantiate stage hands it over (`XLA_FFI_State_Set`)
 //! until the executable dies, when it calls the deleter from the type info. The state is a
-//! `Box<T>` turned into a raw pointer; [`delete_state`] turns it back and drops it, behind the
-//! panic-catching trampoline.
+//! `Box<T>` turned into a raw pointer; [`delete_state`] turns it back and drops it, behind
+//! [`super::panic::catch`]. Below the context in the layers: how a stage fetches its state is
+//! [`super::bundle::BundleState`]'s business.
 
 use std::any::TypeId;
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use super::context::Context;
 use super::error::{FfiError, FfiResult};
+use super::panic;
 use super::sys;
-use super::trampoline;
 
 /// An `XLA_FFI_TypeId` that XLA may write through a pointer (type registration is in-out).
 #[repr(transparent)]
@@ -102,31 +102,10 @@ impl StateTypeRegistration {
     }
 }
 
-/// A Rust type that can be an XLA FFI state. Declare with [`crate::state_type!`].
+/// A Rust type that can be an XLA FFI state. Declare with [`crate::state_type!`] (which also
+/// implements [`super::bundle::BundleState`], the stages' view of it).
 pub trait StateType: Send + Sync + Sized + 'static {
     fn registration() -> &'static StateTypeRegistration;
-}
-
-/// The state a bundle's stages share: a [`StateType`] made by its instantiate stage, or
-/// [`NoState`].
-pub trait BundleState: Send + Sync + 'static {
-    /// The registration of the state type; `None` for stateless bundles.
-    fn state_registration() -> Option<&'static StateTypeRegistration>;
-    /// The state of the executing call site.
-    fn fetch<'a>(ctx: &Context<'a>) -> FfiResult<&'a Self>;
-}
-
-/// The state of a stateless bundle.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoState;
-
-impl BundleState for NoState {
-    fn state_registration() -> Option<&'static StateTypeRegistration> {
-        None
-    }
-    fn fetch<'a>(_ctx: &Context<'a>) -> FfiResult<&'a Self> {
-        Ok(&NoState)
-    }
 }
 
 /// The deleter XLA calls when the executable that owns a `T` state is destroyed.
@@ -138,7 +117,7 @@ pub unsafe extern "C" fn delete_state<T: StateType>(object: *mut c_void) {
     if object.is_null() {
         return;
     }
-    let result = trampoline::catch(
+    let result = panic::catch(
         || format!("the deleter of state type `{}`", std::any::type_name::<T>()),
         // SAFETY: per the function's contract, `object` is a live `Box<T>` we gave to XLA.
         || {
@@ -146,36 +125,5 @@ pub unsafe extern "C" fn delete_state<T: StateType>(object: *mut c_void) {
             Ok(())
         },
     );
-    trampoline::report_unreturnable(result);
-}
-
-/// Declares that a Rust type is an XLA FFI state type called `$name` in XLA's registry.
-///
-/// ```text
-/// struct MyState { table: Vec<f32> }
-/// rmsnorm_ffi::state_type!(MyState, "my_crate.MyState");
-/// ```
-#[macro_export]
-macro_rules! state_type {
-    ($ty:ty, $name:expr) => {
-        impl $crate::ffi::types::StateType for $ty {
-            fn registration() -> &'static $crate::ffi::types::StateTypeRegistration {
-                static REGISTRATION: $crate::ffi::types::StateTypeRegistration =
-                    $crate::ffi::types::StateTypeRegistration::new::<$ty>($name);
-                &REGISTRATION
-            }
-        }
-
-        impl $crate::ffi::types::BundleState for $ty {
-            fn state_registration(
-            ) -> ::std::option::Option<&'static $crate::ffi::types::StateTypeRegistration> {
-                ::std::option::Option::Some(<$ty as $crate::ffi::types::StateType>::registration())
-            }
-            fn fetch<'a>(
-                ctx: &$crate::ffi::context::Context<'a>,
-            ) -> $crate::ffi::error::FfiResult<&'a Self> {
-                ctx.state::<$ty>()
-            }
-        }
-    };
+    panic::report_unreturnable(result);
 }
