@@ -83,30 +83,59 @@ fn make_error(code: ErrorCode, message: &str) -> *mut XLA_FFI_Error {
 // ---------------------------------------------------------------------------------------------
 
 static NEXT_TYPE_ID: AtomicI64 = AtomicI64::new(1000);
-/// Type id -> deleter, like XLA's process-wide type registry.
-static TYPES: Lazy<Mutex<HashMap<i64, (String, usize)>>> = Lazy::new(Default::default);
+/// Name -> (type id, type info), like XLA's process-wide type registry.
+static TYPES: Lazy<Mutex<HashMap<String, (i64, usize)>>> = Lazy::new(Default::default);
 
+/// The type info registered for `type_id`.
+fn type_info(type_id: i64) -> Option<usize> {
+    let types = TYPES.lock();
+    types
+        .values()
+        .find(|(id, _)| *id == type_id)
+        .map(|(_, info)| *info)
+}
+
+/// `XLA_FFI_Type_Register` as XLA implements it (`xla/ffi/type_registry.cc`): with an unset
+/// id (0) it assigns a new one and refuses a name that is registered already; with an id set
+/// (a second registration through the same cell, e.g. for another platform) it accepts the
+/// same name with the same id and refuses it with another. So two libraries cannot share a
+/// state type name, and registering one library's type twice is harmless.
 unsafe extern "C" fn type_register(args: *mut XLA_FFI_Type_Register_Args) -> *mut XLA_FFI_Error {
     // SAFETY: the caller passes valid args.
     let args = unsafe { &*args };
     // SAFETY: the name span is readable.
     let name = unsafe { std::slice::from_raw_parts(args.name.ptr.cast::<u8>(), args.name.len) };
     let name = String::from_utf8_lossy(name).into_owned();
+    // SAFETY: `type_id` is a valid in-out pointer.
+    let requested = unsafe { (*args.type_id).type_id };
     let mut types = TYPES.lock();
-    if let Some((&id, _)) = types.iter().find(|(_, (n, _))| *n == name) {
-        // SAFETY: `type_id` is a valid in-out pointer.
-        unsafe { (*args.type_id).type_id = id };
-        return ptr::null_mut();
+    match (types.get(&name).map(|(id, _)| *id), requested) {
+        (Some(id), 0) => make_error(
+            ErrorCode::Internal,
+            &format!("Type name {name} already registered with type id {id}"),
+        ),
+        (Some(id), requested) if id != requested => make_error(
+            ErrorCode::Internal,
+            &format!("Type name {name} already registered with type id {id} vs {requested})"),
+        ),
+        (Some(_), _) => ptr::null_mut(),
+        (None, 0) => {
+            let id = NEXT_TYPE_ID.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: as above.
+            unsafe { (*args.type_id).type_id = id };
+            types.insert(name, (id, args.type_info as usize));
+            ptr::null_mut()
+        }
+        (None, requested) => {
+            types.insert(name, (requested, args.type_info as usize));
+            ptr::null_mut()
+        }
     }
-    let id = NEXT_TYPE_ID.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: as above.
-    unsafe { (*args.type_id).type_id = id };
-    types.insert(id, (name, args.type_info as usize));
-    ptr::null_mut()
 }
 
-/// Registers a state type with the fake runtime, as `jax.ffi.register_ffi_type` would.
-pub fn register_type(registration: &StateTypeRegistration) {
+/// Registers a state type with the fake runtime, as `jax.ffi.register_ffi_type` would;
+/// returns the type id, or XLA's error (a name registered by another registration).
+pub fn register_type(registration: &StateTypeRegistration) -> Result<i64, (ErrorCode, String)> {
     let name = registration.name();
     let mut args = XLA_FFI_Type_Register_Args {
         struct_size: XLA_FFI_Type_Register_Args::STRUCT_SIZE,
@@ -119,16 +148,18 @@ pub fn register_type(registration: &StateTypeRegistration) {
         type_info: registration.type_info_ptr(),
     };
     // SAFETY: valid args pointing to static data.
-    let err = unsafe { type_register(&mut args) };
-    assert!(err.is_null());
+    take_result(unsafe { type_register(&mut args) })?;
+    Ok(registration.type_id())
 }
 
 /// Registers the state type of every stateful bundle in `defs` (each once is enough; again is
-/// harmless, as with XLA).
+/// harmless, as with XLA, since the registration's cell holds the id by then).
 pub fn register_bundle_types(defs: &[super::BundleDef]) {
     for def in defs {
         if let Some(registration) = (def.state)() {
-            register_type(registration);
+            if let Err((_, message)) = register_type(registration) {
+                panic!("registering `{}`: {message}", registration.name());
+            }
         }
     }
 }
@@ -202,6 +233,21 @@ impl FakeContext {
     pub fn state_count(&self) -> usize {
         self.states.lock().len()
     }
+
+    /// The state the instantiate stage set, if it is a `T`: what this call site's executions
+    /// see (tests read it here rather than guess it from the process-wide registry, which
+    /// other tests running in parallel also fill).
+    pub fn state<T: super::StateType>(&self) -> Option<&T> {
+        let (type_id, state) = *self
+            .states
+            .lock()
+            .get(&super::Stage::Instantiate.to_raw().0)?;
+        // SAFETY: `state_set` stored this pointer with `type_id`, which is `T`'s, so it is the
+        // `Box<T>` the instantiate stage handed over; it lives until this context is dropped,
+        // which the returned borrow of `self` outlives not.
+        (type_id != 0 && type_id == T::registration().type_id())
+            .then(|| unsafe { &*(state as *const T) })
+    }
 }
 
 impl Drop for FakeContext {
@@ -209,8 +255,7 @@ impl Drop for FakeContext {
     fn drop(&mut self) {
         let states: Vec<(i64, usize)> = self.states.lock().drain().map(|(_, v)| v).collect();
         for (type_id, state) in states {
-            let info = TYPES.lock().get(&type_id).map(|(_, info)| *info);
-            if let Some(info) = info {
+            if let Some(info) = type_info(type_id) {
                 // SAFETY: registered type infos point to static `XLA_FFI_TypeInfo`s.
                 let info = unsafe { &*(info as *const XLA_FFI_TypeInfo) };
                 if let Some(deleter) = info.deleter {
@@ -237,7 +282,7 @@ unsafe extern "C" fn state_set(args: *mut XLA_FFI_State_Set_Args) -> *mut XLA_FF
     };
     // SAFETY: `type_id` is a valid pointer.
     let type_id = unsafe { (*args.type_id).type_id };
-    if !TYPES.lock().contains_key(&type_id) {
+    if type_info(type_id).is_none() {
         return make_error(ErrorCode::InvalidArgument, "type id not registered");
     }
     let mut states = ctx.states.lock();
@@ -424,12 +469,22 @@ pub fn api() -> *const XLA_FFI_Api {
     &API.0
 }
 
+/// Tables that declare fewer bytes than the mirror, one per size, made on first use.
+static SMALL_APIS: Lazy<Mutex<HashMap<usize, &'static SyncApi>>> = Lazy::new(Default::default);
+
 /// A copy of the table that declares only `struct_size` bytes (an older runtime).
+///
+/// A runtime's table lives as long as the process, and the trampoline relies on that (it
+/// remembers the last table it saw, for frames that come without one), so these tables are
+/// never freed either: each size is made once and kept here, where it stays reachable.
 pub fn api_with_size(struct_size: usize) -> *const XLA_FFI_Api {
-    let mut table = build_api();
-    table.struct_size = struct_size;
-    let leaked: &'static SyncApi = Box::leak(Box::new(SyncApi(table)));
-    &leaked.0
+    let mut tables = SMALL_APIS.lock();
+    let table = tables.entry(struct_size).or_insert_with(|| {
+        let mut table = build_api();
+        table.struct_size = struct_size;
+        Box::leak(Box::new(SyncApi(table)))
+    });
+    &table.0
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -456,7 +456,7 @@ fn old_api_table_reports_missing_functions() {
     // A table that ends before XLA_FFI_State_Get.
     let size = std::mem::offset_of!(sys::XLA_FFI_Api, XLA_FFI_State_Get);
     let ctx = FakeContext::new();
-    fake::register_type(crate::handlers::scaled_copy::ScaledCopyState::registration());
+    fake::register_type(crate::handlers::scaled_copy::ScaledCopyState::registration()).unwrap();
     let mut frame = FrameBuilder::new(Stage::Execute)
         .api(fake::api_with_size(size))
         .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
@@ -555,7 +555,7 @@ fn metadata_of_unregistered_state_type_is_refused() {
 #[test]
 fn metadata_names_the_registered_state_type() {
     use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration());
+    fake::register_type(ScaledCopyState::registration()).unwrap();
     let ctx = FakeContext::new();
     let mut frame = FrameBuilder::metadata().build(&ctx);
     frame
@@ -603,14 +603,14 @@ fn scaled_copy_frame(stage: Stage, x: &[f32], dims: &[i64], row_len: i64) -> Fra
 
 #[test]
 fn stateful_bundle_lives_from_instantiate_to_deleter() {
-    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE, TARGET};
-    fake::register_type(ScaledCopyState::registration());
+    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
+    fake::register_type(ScaledCopyState::registration()).unwrap();
     let ctx = FakeContext::new();
     let mut inst = scaled_copy_frame(Stage::Instantiate, &[], &[], 3).build(&ctx);
     inst.call(BUNDLE.handler(Stage::Instantiate).unwrap())
         .unwrap();
     assert_eq!(ctx.state_count(), 1);
-    let state_id = ctx_state_id(&ctx, TARGET);
+    let state_id = ctx.state::<ScaledCopyState>().unwrap().live.id();
     for _ in 0..3 {
         let mut exec =
             scaled_copy_frame(Stage::Execute, &[1.0, 1.0, 3.0, 2.0, 2.0, 6.0], &[2, 3], 3)
@@ -642,21 +642,10 @@ fn stateful_bundle_lives_from_instantiate_to_deleter() {
     );
 }
 
-/// The id of the most recently created live state of `target`.
-fn ctx_state_id(_ctx: &FakeContext, target: &str) -> u64 {
-    crate::state::snapshot()
-        .states
-        .iter()
-        .filter(|s| s.target == target)
-        .map(|s| s.id)
-        .max()
-        .unwrap()
-}
-
 #[test]
 fn instantiate_validates_attributes() {
     use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration());
+    fake::register_type(ScaledCopyState::registration()).unwrap();
     let ctx = FakeContext::new();
     let mut inst = FrameBuilder::new(Stage::Instantiate)
         .attr("scale", OwnedAttr::scalar(f32::NAN))
@@ -683,7 +672,7 @@ fn instantiate_validates_attributes() {
 #[test]
 fn state_can_be_set_only_once() {
     use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration());
+    fake::register_type(ScaledCopyState::registration()).unwrap();
     let ctx = FakeContext::new();
     let before = crate::state::snapshot();
     for expect_ok in [true, false] {
@@ -700,7 +689,7 @@ fn state_can_be_set_only_once() {
 #[test]
 fn panics_in_every_stage_become_errors() {
     use crate::handlers::testing::{StagesState, STAGES_BUNDLE};
-    fake::register_type(StagesState::registration());
+    fake::register_type(StagesState::registration()).unwrap();
     for stage in Stage::ALL {
         let ctx = FakeContext::new();
         let frame = |s: Stage| {
@@ -878,4 +867,25 @@ fn runtime_version_is_readable() {
     // SAFETY: a table too small to create errors is refused, not used.
     let small = unsafe { super::api::Api::from_raw(fake::api_with_size(16)) };
     assert!(small.is_err());
+}
+
+struct Duplicate;
+crate::state_type!(Duplicate, "rmsnorm_ffi.tests.Duplicate");
+struct SameName;
+crate::state_type!(SameName, "rmsnorm_ffi.tests.Duplicate");
+
+#[test]
+fn a_state_type_name_is_registered_once_as_xla_does() {
+    // One registration, twice (as for a second platform): the same id, no error.
+    let id = fake::register_type(Duplicate::registration()).unwrap();
+    assert_eq!(fake::register_type(Duplicate::registration()), Ok(id));
+    // Another type under the same name (another library that did not namespace its names) is
+    // refused with XLA's message, and its cell stays unset.
+    let (code, message) = fake::register_type(SameName::registration()).unwrap_err();
+    assert_eq!(code, ErrorCode::Internal);
+    assert_eq!(
+        message,
+        format!("Type name rmsnorm_ffi.tests.Duplicate already registered with type id {id}")
+    );
+    assert_eq!(SameName::registration().type_id(), 0);
 }
