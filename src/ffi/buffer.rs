@@ -6,17 +6,23 @@
 //! cannot use the typed result views; it gets a clear decode error instead of undefined
 //! behaviour.)
 //!
-//! Typed views (`as_slice`, [`Buffer`], [`ResultBuffer`]) are for host memory: XLA:CPU
-//! buffers. A bundle registered for a GPU platform must use [`AnyBuffer::device_ptr`] only;
-//! a slice over device memory is not a valid Rust reference even if it is never read.
+//! Every buffer type carries the platform of the bundle that decodes it (`P`, [`Host`] by
+//! default). Typed views (`as_slice`, [`Buffer`], [`ResultBuffer`]) exist only for [`Host`]:
+//! XLA:CPU buffers are host memory. A bundle for a device platform ([`Cuda`]) gets
+//! [`AnyBuffer::device_ptr`] instead, and asking it for a slice does not compile: a slice over
+//! device memory is not a valid Rust reference even if it is never read.
 
 use std::ffi::c_void;
 use std::fmt;
+use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 use std::ptr::{self, NonNull};
 
 use super::dtype::{DataType, NativeType};
 use super::error::DecodeErrors;
+#[cfg(doc)]
+use super::platform::Cuda;
+use super::platform::{Device, Host, Platform};
 use super::sys;
 
 /// Ranks above this are rejected as malformed (XLA itself supports far fewer).
@@ -40,24 +46,33 @@ impl fmt::Display for Operand {
     }
 }
 
-/// A validated buffer of any dtype. For arguments, typed views are read-only.
-#[derive(Clone, Copy)]
-pub struct AnyBuffer<'a> {
+/// A validated buffer of any dtype, of a bundle for platform `P`. For arguments, typed views
+/// (host only) are read-only.
+pub struct AnyBuffer<'a, P: Platform = Host> {
     dtype: DataType,
     data: *mut c_void,
     dims: &'a [i64],
     element_count: usize,
     byte_size: usize,
     operand: Operand,
+    _platform: PhantomData<P>,
 }
 
-// SAFETY: an `AnyBuffer` only ever hands out shared (`&[T]`) views of memory that XLA keeps alive
-// for the call; sharing those across threads is as safe as sharing a slice.
-unsafe impl Send for AnyBuffer<'_> {}
-// SAFETY: as above.
-unsafe impl Sync for AnyBuffer<'_> {}
+impl<P: Platform> Clone for AnyBuffer<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P: Platform> Copy for AnyBuffer<'_, P> {}
 
-impl fmt::Debug for AnyBuffer<'_> {
+// SAFETY: an `AnyBuffer` only ever hands out shared (`&[T]`) views of memory that XLA keeps alive
+// for the call (host), or addresses (device); sharing those across threads is as safe as
+// sharing a slice.
+unsafe impl<P: Platform> Send for AnyBuffer<'_, P> {}
+// SAFETY: as above.
+unsafe impl<P: Platform> Sync for AnyBuffer<'_, P> {}
+
+impl<P: Platform> fmt::Debug for AnyBuffer<'_, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AnyBuffer")
             .field("operand", &self.operand)
@@ -67,7 +82,7 @@ impl fmt::Debug for AnyBuffer<'_> {
     }
 }
 
-impl<'a> AnyBuffer<'a> {
+impl<'a, P: Platform> AnyBuffer<'a, P> {
     /// Validates a raw `XLA_FFI_Buffer`.
     ///
     /// # Safety
@@ -138,6 +153,7 @@ impl<'a> AnyBuffer<'a> {
             element_count,
             byte_size,
             operand,
+            _platform: PhantomData,
         })
     }
 
@@ -163,11 +179,6 @@ impl<'a> AnyBuffer<'a> {
 
     pub fn operand(&self) -> Operand {
         self.operand
-    }
-
-    /// The device address of the data, e.g. for a GPU kernel launch. Never dereferenced here.
-    pub fn device_ptr(&self) -> *mut c_void {
-        self.data
     }
 
     /// The half-open byte range of the data, for the aliasing check (it cannot overflow:
@@ -212,7 +223,16 @@ impl<'a> AnyBuffer<'a> {
             self.data.cast()
         }
     }
+}
 
+impl<P: Device> AnyBuffer<'_, P> {
+    /// The device address of the data, e.g. for a GPU kernel launch. Never dereferenced here.
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.data
+    }
+}
+
+impl<'a> AnyBuffer<'a, Host> {
     /// A read-only typed view, if the dtype is `T`'s. Only for arguments.
     pub fn as_slice<T: NativeType>(&self) -> Result<&'a [T], String> {
         if let Operand::Result(_) = self.operand {
@@ -231,21 +251,21 @@ impl<'a> AnyBuffer<'a> {
 }
 
 /// A writable buffer of any dtype: one of the call's results.
-pub struct AnyResult<'a> {
-    buffer: AnyBuffer<'a>,
+pub struct AnyResult<'a, P: Platform = Host> {
+    buffer: AnyBuffer<'a, P>,
 }
 
 // SAFETY: a result is uniquely owned by whoever holds this value (decoding checked that no other
 // view overlaps it), like a `&mut [u8]`, which is `Send`.
-unsafe impl Send for AnyResult<'_> {}
+unsafe impl<P: Platform> Send for AnyResult<'_, P> {}
 
-impl fmt::Debug for AnyResult<'_> {
+impl<P: Platform> fmt::Debug for AnyResult<'_, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.buffer.fmt(f)
     }
 }
 
-impl<'a> AnyResult<'a> {
+impl<'a, P: Platform> AnyResult<'a, P> {
     pub fn dtype(&self) -> DataType {
         self.buffer.dtype
     }
@@ -261,12 +281,16 @@ impl<'a> AnyResult<'a> {
     pub fn operand(&self) -> Operand {
         self.buffer.operand
     }
+}
 
+impl<P: Device> AnyResult<'_, P> {
     /// The device address of the data, e.g. for a GPU kernel launch. Never dereferenced here.
     pub fn device_ptr(&self) -> *mut c_void {
         self.buffer.data
     }
+}
 
+impl<'a> AnyResult<'a, Host> {
     /// A writable typed view for the life of this borrow.
     pub fn as_mut_slice<T: NativeType>(&mut self) -> Result<&mut [T], String> {
         self.buffer.check_view::<T>()?;
@@ -287,14 +311,14 @@ impl<'a> AnyResult<'a> {
     }
 }
 
-/// An argument of the fixed dtype `T`.
+/// An argument of the fixed dtype `T`, viewed in host memory (host bundles only).
 #[derive(Debug, Clone, Copy)]
 pub struct Buffer<'a, T: NativeType> {
     pub data: &'a [T],
     pub dims: &'a [i64],
 }
 
-/// A result of the fixed dtype `T`.
+/// A result of the fixed dtype `T`, viewed in host memory (host bundles only).
 #[derive(Debug)]
 pub struct ResultBuffer<'a, T: NativeType> {
     pub data: &'a mut [T],
@@ -302,17 +326,24 @@ pub struct ResultBuffer<'a, T: NativeType> {
 }
 
 /// The validated argument list of a call frame.
-#[derive(Clone, Copy)]
-pub struct ArgsView<'a> {
+pub struct ArgsView<'a, P: Platform = Host> {
     raw: &'a sys::XLA_FFI_Args,
+    _platform: PhantomData<P>,
 }
+
+impl<P: Platform> Clone for ArgsView<'_, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P: Platform> Copy for ArgsView<'_, P> {}
 
 /// The validated result list of a call frame. Deliberately neither `Clone` nor `Copy`: a view
 /// is consumed by the one decoder that takes each result once, so no two writable views of a
 /// result can exist.
-pub struct RetsView<'a> {
+pub struct RetsView<'a, P: Platform = Host> {
     raw: &'a sys::XLA_FFI_Rets,
-    args: ArgsView<'a>,
+    args: ArgsView<'a, P>,
 }
 
 /// Checks a `(struct_size, size, types, items)` list header shared by args, rets and attrs.
@@ -338,7 +369,7 @@ pub(crate) fn check_list(
     Ok(())
 }
 
-impl<'a> ArgsView<'a> {
+impl<'a, P: Platform> ArgsView<'a, P> {
     /// # Safety
     /// `raw` must be a call frame's argument list, valid for `'a`, as XLA lays it out.
     pub(crate) unsafe fn new(raw: &'a sys::XLA_FFI_Args) -> Result<Self, String> {
@@ -350,7 +381,10 @@ impl<'a> ArgsView<'a> {
             raw.types.is_null(),
             raw.args.is_null(),
         )?;
-        Ok(ArgsView { raw })
+        Ok(ArgsView {
+            raw,
+            _platform: PhantomData,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -362,7 +396,7 @@ impl<'a> ArgsView<'a> {
     }
 
     /// The `index`th argument, validated.
-    pub fn get(&self, index: usize) -> Result<AnyBuffer<'a>, String> {
+    pub fn get(&self, index: usize) -> Result<AnyBuffer<'a, P>, String> {
         if index >= self.len() {
             return Err(format!(
                 "there is no argument {index} (the call has {})",
@@ -379,12 +413,12 @@ impl<'a> ArgsView<'a> {
     }
 }
 
-impl<'a> RetsView<'a> {
+impl<'a, P: Platform> RetsView<'a, P> {
     /// # Safety
     /// `raw` must be a call frame's result list, valid for `'a`, as XLA lays it out.
     pub(crate) unsafe fn new(
         raw: &'a sys::XLA_FFI_Rets,
-        args: ArgsView<'a>,
+        args: ArgsView<'a, P>,
     ) -> Result<Self, String> {
         check_list(
             "results",
@@ -405,7 +439,7 @@ impl<'a> RetsView<'a> {
         self.len() == 0
     }
 
-    fn buffer(&self, index: usize) -> Result<AnyBuffer<'a>, String> {
+    fn buffer(&self, index: usize) -> Result<AnyBuffer<'a, P>, String> {
         if index >= self.len() {
             return Err(format!(
                 "there is no result {index} (the call has {})",
@@ -424,14 +458,14 @@ impl<'a> RetsView<'a> {
     /// The `index`th result, validated and checked not to overlap any argument or other result.
     ///
     /// Taking the same result twice is prevented by the decoders, which take each index once.
-    pub(crate) fn take(&self, index: usize) -> Result<AnyResult<'a>, String> {
+    pub(crate) fn take(&self, index: usize) -> Result<AnyResult<'a, P>, String> {
         let buffer = self.buffer(index)?;
         let (start, end) = buffer.byte_range();
         if start < end {
             let hits = |(s, e): (usize, usize)| s < e && s < end && start < e;
             // Data or dimensions of any other buffer: both are handed out as shared slices.
             let overlaps =
-                |other: AnyBuffer<'_>| hits(other.byte_range()) || hits(other.dims_range());
+                |other: AnyBuffer<'_, P>| hits(other.byte_range()) || hits(other.dims_range());
             if hits(buffer.dims_range()) {
                 return Err(format!(
                     "result {index} overlaps its own dimensions in memory"
@@ -459,27 +493,34 @@ impl<'a> RetsView<'a> {
     }
 }
 
-/// Decoding of one argument from a validated buffer.
-pub trait FromArg<'a>: Sized {
+/// Decoding of one argument of a bundle for platform `P` from a validated buffer.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be an argument of a bundle whose platform is `{P}`",
+    label = "not an argument type for `{P}` bundles",
+    note = "typed slices (`Buffer`, `ResultBuffer`, `as_slice`) view host memory and exist only for \
+            `Host` bundles; a device bundle takes `AnyBuffer<'a, {P}>` and passes its `device_ptr()` \
+            to the device"
+)]
+pub trait FromArg<'a, P: Platform>: Sized {
     /// What the signature expects, for messages ("F32 buffer").
     fn expected() -> String;
-    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String>;
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String>;
 }
 
-impl<'a> FromArg<'a> for AnyBuffer<'a> {
+impl<'a, P: Platform> FromArg<'a, P> for AnyBuffer<'a, P> {
     fn expected() -> String {
         "buffer".into()
     }
-    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String> {
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String> {
         Ok(buffer)
     }
 }
 
-impl<'a, T: NativeType> FromArg<'a> for Buffer<'a, T> {
+impl<'a, T: NativeType> FromArg<'a, Host> for Buffer<'a, T> {
     fn expected() -> String {
         format!("{} buffer", T::DTYPE)
     }
-    fn from_arg(buffer: AnyBuffer<'a>) -> Result<Self, String> {
+    fn from_arg(buffer: AnyBuffer<'a, Host>) -> Result<Self, String> {
         Ok(Buffer {
             data: buffer.as_slice::<T>()?,
             dims: buffer.dims(),
@@ -487,19 +528,26 @@ impl<'a, T: NativeType> FromArg<'a> for Buffer<'a, T> {
     }
 }
 
-/// Decoding of one result.
-pub trait FromRet<'a>: Sized {
-    fn from_ret(result: AnyResult<'a>) -> Result<Self, String>;
+/// Decoding of one result of a bundle for platform `P`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a result of a bundle whose platform is `{P}`",
+    label = "not a result type for `{P}` bundles",
+    note = "typed slices (`Buffer`, `ResultBuffer`, `as_mut_slice`) view host memory and exist only \
+            for `Host` bundles; a device bundle takes `AnyResult<'a, {P}>` and passes its \
+            `device_ptr()` to the device"
+)]
+pub trait FromRet<'a, P: Platform>: Sized {
+    fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String>;
 }
 
-impl<'a> FromRet<'a> for AnyResult<'a> {
-    fn from_ret(result: AnyResult<'a>) -> Result<Self, String> {
+impl<'a, P: Platform> FromRet<'a, P> for AnyResult<'a, P> {
+    fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String> {
         Ok(result)
     }
 }
 
-impl<'a, T: NativeType> FromRet<'a> for ResultBuffer<'a, T> {
-    fn from_ret(result: AnyResult<'a>) -> Result<Self, String> {
+impl<'a, T: NativeType> FromRet<'a, Host> for ResultBuffer<'a, T> {
+    fn from_ret(result: AnyResult<'a, Host>) -> Result<Self, String> {
         let dims = result.dims();
         Ok(ResultBuffer {
             data: result.into_mut_slice::<T>()?,
@@ -510,17 +558,17 @@ impl<'a, T: NativeType> FromRet<'a> for ResultBuffer<'a, T> {
 
 /// Decoding of a handler's whole argument list: tuples of [`FromArg`] types, or [`ArgsView`]
 /// itself for handlers that take a variable number of arguments.
-pub trait DecodeArgs<'a>: Sized {
-    fn decode(args: ArgsView<'a>, errors: &mut DecodeErrors) -> Option<Self>;
+pub trait DecodeArgs<'a, P: Platform>: Sized {
+    fn decode(args: ArgsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self>;
 }
 
 /// Decoding of a handler's whole result list: tuples of [`FromRet`] types.
-pub trait DecodeRets<'a>: Sized {
-    fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self>;
+pub trait DecodeRets<'a, P: Platform>: Sized {
+    fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self>;
 }
 
-impl<'a> DecodeArgs<'a> for ArgsView<'a> {
-    fn decode(args: ArgsView<'a>, _errors: &mut DecodeErrors) -> Option<Self> {
+impl<'a, P: Platform> DecodeArgs<'a, P> for ArgsView<'a, P> {
+    fn decode(args: ArgsView<'a, P>, _errors: &mut DecodeErrors) -> Option<Self> {
         Some(args)
     }
 }
@@ -537,9 +585,9 @@ fn check_count(what: &str, expected: usize, got: usize, errors: &mut DecodeError
 
 macro_rules! tuple_decoders {
     ($count:expr; $($name:ident : $idx:tt),*) => {
-        impl<'a, $($name: FromArg<'a>),*> DecodeArgs<'a> for ($($name,)*) {
+        impl<'a, P: Platform, $($name: FromArg<'a, P>),*> DecodeArgs<'a, P> for ($($name,)*) {
             #[allow(unused_variables)]
-            fn decode(args: ArgsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
+            fn decode(args: ArgsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
                 if !check_count("arguments", $count, args.len(), errors) {
                     return None;
                 }
@@ -550,9 +598,9 @@ macro_rules! tuple_decoders {
             }
         }
 
-        impl<'a, $($name: FromRet<'a>),*> DecodeRets<'a> for ($($name,)*) {
+        impl<'a, P: Platform, $($name: FromRet<'a, P>),*> DecodeRets<'a, P> for ($($name,)*) {
             #[allow(unused_variables)]
-            fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
+            fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
                 if !check_count("results", $count, rets.len(), errors) {
                     return None;
                 }
@@ -577,16 +625,19 @@ tuple_decoders!(8; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6, H: 7);
 
 /// Results of a handler whose result count varies (up to [`ResultList::MAX`]): each result is
 /// taken out once.
-pub struct ResultList<'a> {
-    items: [Option<AnyResult<'a>>; ResultList::MAX],
+pub struct ResultList<'a, P: Platform = Host> {
+    items: [Option<AnyResult<'a, P>>; RESULT_LIST_MAX],
     len: usize,
 }
 
-impl ResultList<'_> {
-    pub const MAX: usize = 8;
+/// The most results a [`ResultList`] holds.
+pub const RESULT_LIST_MAX: usize = 8;
+
+impl<P: Platform> ResultList<'_, P> {
+    pub const MAX: usize = RESULT_LIST_MAX;
 }
 
-impl<'a> ResultList<'a> {
+impl<'a, P: Platform> ResultList<'a, P> {
     pub fn len(&self) -> usize {
         self.len
     }
@@ -596,22 +647,21 @@ impl<'a> ResultList<'a> {
     }
 
     /// The `index`th result; `None` if there is none or it was taken already.
-    pub fn take(&mut self, index: usize) -> Option<AnyResult<'a>> {
+    pub fn take(&mut self, index: usize) -> Option<AnyResult<'a, P>> {
         self.items.get_mut(index).and_then(Option::take)
     }
 }
 
-impl<'a> DecodeRets<'a> for ResultList<'a> {
-    fn decode(rets: RetsView<'a>, errors: &mut DecodeErrors) -> Option<Self> {
-        if rets.len() > ResultList::MAX {
+impl<'a, P: Platform> DecodeRets<'a, P> for ResultList<'a, P> {
+    fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
+        if rets.len() > RESULT_LIST_MAX {
             errors.push(format!(
-                "too many results: {} (at most {} supported)",
+                "too many results: {} (at most {RESULT_LIST_MAX} supported)",
                 rets.len(),
-                ResultList::MAX
             ));
             return None;
         }
-        let mut items: [Option<AnyResult<'a>>; ResultList::MAX] = Default::default();
+        let mut items: [Option<AnyResult<'a, P>>; RESULT_LIST_MAX] = Default::default();
         let mut ok = true;
         for (i, item) in items.iter_mut().enumerate().take(rets.len()) {
             match rets.take(i) {

@@ -3,7 +3,11 @@
 //!
 //! ```text
 //! struct Scale;
-//! impl Bundle for Scale { const TARGET: &'static str = "scale"; type State = ScaleState; }
+//! impl Bundle for Scale {
+//!     const TARGET: &'static str = "scale";
+//!     type Platform = Host;
+//!     type State = ScaleState;
+//! }
 //! impl Instantiate for Scale { type Attrs<'a> = ScaleAttrs; fn instantiate(..) -> .. }
 //! impl Execute for Scale { type Args<'a> = (Buffer<'a, f32>,); ... fn execute(..) -> .. }
 //!
@@ -21,6 +25,7 @@ use super::buffer::{DecodeArgs, DecodeRets};
 use super::context::Context;
 use super::error::FfiResult;
 use super::metadata::HandlerInfo;
+use super::platform::Platform;
 use super::stage::Stage;
 use super::sys;
 use super::trampoline::handle;
@@ -60,11 +65,15 @@ impl Traits {
         Traits(sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 }
 
-/// An XLA FFI target: its name, traits and the state its stages share.
+/// An XLA FFI target: its name, platform, traits and the state its stages share.
 pub trait Bundle: Sized + 'static {
     /// The custom-call target name.
     const TARGET: &'static str;
     const TRAITS: Traits = Traits::NONE;
+    /// Where it runs: [`super::platform::Host`] (XLA:CPU; buffers are host memory and may be
+    /// viewed as slices) or [`super::platform::Cuda`] (buffers are device addresses). It is
+    /// registered for this platform only.
+    type Platform: Platform;
     /// [`NoState`] for stateless bundles.
     type State: BundleState;
 }
@@ -89,8 +98,8 @@ pub trait Initialize: Bundle {
 
 /// The execute stage: every call, possibly on many threads at once with the same state.
 pub trait Execute: Bundle {
-    type Args<'a>: DecodeArgs<'a>;
-    type Rets<'a>: DecodeRets<'a>;
+    type Args<'a>: DecodeArgs<'a, Self::Platform>;
+    type Rets<'a>: DecodeRets<'a, Self::Platform>;
     type Attrs<'a>: DecodeAttrs<'a>;
     fn execute(
         state: &Self::State,
@@ -163,17 +172,19 @@ unsafe extern "C" fn execute_entry<B: Execute>(
     unsafe {
         handle(frame, &info::<B>(Stage::Execute), |frame| {
             let (args, rets, attrs) =
-                frame.decode_all::<B::Args<'_>, B::Rets<'_>, B::Attrs<'_>>()?;
+                frame.decode_all::<B::Platform, B::Args<'_>, B::Rets<'_>, B::Attrs<'_>>()?;
             let state = B::State::fetch(frame.context())?;
             B::execute(state, frame.context(), args, rets, attrs)
         })
     }
 }
 
-/// A bundle ready to register: its target, traits, state type and stage handlers.
+/// A bundle ready to register: its target, platform, traits, state type and stage handlers.
 #[derive(Clone, Copy)]
 pub struct BundleDef {
     pub target: &'static str,
+    /// The platform name JAX registers it for ("cpu", "cuda").
+    pub platform: &'static str,
     pub traits: Traits,
     /// The state type, which must be registered with XLA before the bundle.
     pub state: fn() -> Option<&'static StateTypeRegistration>,
@@ -265,6 +276,7 @@ impl<B: Bundle> BundleBuilder<B> {
         );
         BundleDef {
             target: B::TARGET,
+            platform: <B::Platform as Platform>::NAME,
             traits: B::TRAITS,
             state: B::State::state_registration,
             handlers: self.handlers,

@@ -7,6 +7,7 @@ use super::attrs::{Attrs, DecodeAttrs};
 use super::buffer::{ArgsView, DecodeArgs, DecodeRets, RetsView};
 use super::context::Context;
 use super::error::{DecodeErrors, FfiError, FfiResult};
+use super::platform::Platform;
 use super::stage::Stage;
 use super::sys;
 
@@ -51,7 +52,7 @@ impl<'a> Frame<'a> {
         self.context.stage().name()
     }
 
-    fn args(&self, errors: &mut DecodeErrors) -> Option<ArgsView<'a>> {
+    fn args<P: Platform>(&self, errors: &mut DecodeErrors) -> Option<ArgsView<'a, P>> {
         // SAFETY: the argument list is XLA's, valid for the call.
         unsafe { ArgsView::new(self.args) }
             .map_err(|e| errors.push(e))
@@ -74,12 +75,18 @@ impl<'a> Frame<'a> {
         finish(self.stage_name(), errors, attrs)
     }
 
-    /// Decodes arguments, results and attributes, reporting every failure at once.
-    pub fn decode_all<A: DecodeArgs<'a>, R: DecodeRets<'a>, T: DecodeAttrs<'a>>(
+    /// Decodes arguments, results and attributes (buffers of platform `P`), reporting every
+    /// failure at once.
+    pub fn decode_all<
+        P: Platform,
+        A: DecodeArgs<'a, P>,
+        R: DecodeRets<'a, P>,
+        T: DecodeAttrs<'a>,
+    >(
         &self,
     ) -> FfiResult<(A, R, T)> {
         let mut errors = DecodeErrors::new();
-        let args_view = self.args(&mut errors);
+        let args_view = self.args::<P>(&mut errors);
         let args = args_view.and_then(|v| A::decode(v, &mut errors));
         let rets = args_view.and_then(|args_view| {
             // SAFETY: the result list is XLA's, valid for the call.

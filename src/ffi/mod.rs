@@ -11,8 +11,8 @@
 //! through a cycle; `tests/ffi_layers.rs` checks every `use` against this list):
 //!
 //! 1. [`sys`]: the C mirror.
-//! 2. leaves: [`error`], [`dtype`], [`stage`], then [`panic`] (panic catching; it needs only
-//!    the error type).
+//! 2. leaves: [`error`], [`dtype`], [`stage`], [`platform`], then [`panic`] (panic catching;
+//!    it needs only the error type).
 //! 3. [`api`]: the checked function table.
 //! 4. [`buffer`], then [`attrs`] (attributes share the list check of buffers).
 //! 5. [`types`]: state types, their ids and deleters.
@@ -42,6 +42,7 @@ pub mod frame;
 pub mod metadata;
 pub mod panic;
 pub mod parallel;
+pub mod platform;
 pub mod stage;
 pub mod sys;
 #[cfg(test)]
@@ -57,5 +58,6 @@ pub use bundle::{
 pub use context::{Context, Stream};
 pub use dtype::{DataType, NativeType};
 pub use error::{DecodeErrors, ErrorCode, FfiError, FfiResult};
+pub use platform::{Cuda, Device, Host, Platform};
 pub use stage::Stage;
 pub use types::{StateType, StateTypeRegistration};

@@ -41,6 +41,7 @@ static SEEN: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new(
 struct Probe;
 impl Bundle for Probe {
     const TARGET: &'static str = "probe";
+    type Platform = Host;
     type State = NoState;
 }
 impl Execute for Probe {
@@ -505,6 +506,7 @@ struct UnregisteredState;
 crate::state_type!(UnregisteredState, "rmsnorm_ffi.tests.Unregistered");
 impl Bundle for Unregistered {
     const TARGET: &'static str = "unregistered";
+    type Platform = Host;
     const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
     type State = UnregisteredState;
 }
@@ -741,6 +743,7 @@ fn context_queries_and_thread_pool() {
 struct MemoryUser;
 impl Bundle for MemoryUser {
     const TARGET: &'static str = "memory_user";
+    type Platform = Host;
     type State = NoState;
 }
 impl Execute for MemoryUser {
@@ -815,6 +818,7 @@ fn panicking_deleter_is_contained() {
 struct Scheduler;
 impl Bundle for Scheduler {
     const TARGET: &'static str = "scheduler";
+    type Platform = Host;
     type State = NoState;
 }
 impl Execute for Scheduler {

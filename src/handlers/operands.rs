@@ -5,7 +5,7 @@
 
 use super::error::HandlerError;
 use crate::ffi::{
-    AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, ResultList,
+    AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, Platform, ResultList,
 };
 
 /// Longest row accepted (keeps workspaces bounded).
@@ -83,7 +83,10 @@ pub fn acc_dtype(x: DataType) -> DataType {
     }
 }
 
-fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerError> {
+fn check_x<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    row_len: usize,
+) -> Result<(usize, usize), HandlerError> {
     if !X_DTYPES.contains(&x.dtype()) {
         return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
     }
@@ -102,7 +105,10 @@ fn check_x(x: &AnyBuffer<'_>, row_len: usize) -> Result<(usize, usize), HandlerE
     Ok((lead.iter().product::<i64>() as usize, row_len))
 }
 
-fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>) -> Result<usize, HandlerError> {
+fn check_weight<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    w: &AnyBuffer<'_, P>,
+) -> Result<usize, HandlerError> {
     if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
         let accepted: &[DataType] = if x.dtype() == DataType::F32 {
             &[DataType::F32]
@@ -128,11 +134,11 @@ fn check_weight(x: &AnyBuffer<'_>, w: &AnyBuffer<'_>) -> Result<usize, HandlerEr
 }
 
 /// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
-fn x_and_weight<'a>(
-    args: &ArgsView<'a>,
+fn x_and_weight<'a, P: Platform>(
+    args: &ArgsView<'a, P>,
     has_weight: bool,
     row_len: usize,
-) -> FfiResult<(AnyBuffer<'a>, Option<AnyBuffer<'a>>, Layout)> {
+) -> FfiResult<(AnyBuffer<'a, P>, Option<AnyBuffer<'a, P>>, Layout)> {
     let x = args.get(0)?;
     let (rows, n) = check_x(&x, row_len)?;
     let w = if has_weight { Some(args.get(1)?) } else { None };
@@ -162,7 +168,10 @@ fn expect(
     Ok(())
 }
 
-fn result<'r>(list: &mut ResultList<'r>, index: usize) -> FfiResult<AnyResult<'r>> {
+fn result<'r, P: Platform>(
+    list: &mut ResultList<'r, P>,
+    index: usize,
+) -> FfiResult<AnyResult<'r, P>> {
     list.take(index)
         .ok_or_else(|| FfiError::invalid_argument(format!("missing result {index}")))
 }
@@ -177,22 +186,22 @@ fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
 }
 
 /// The checked operands of one `rmsnorm_fwd` call: x, the optional weight, y and rstd.
-pub struct ForwardOperands<'a, 'r> {
-    pub x: AnyBuffer<'a>,
-    pub w: Option<AnyBuffer<'a>>,
-    pub y: AnyResult<'r>,
-    pub rstd: AnyResult<'r>,
+pub struct ForwardOperands<'a, 'r, P: Platform> {
+    pub x: AnyBuffer<'a, P>,
+    pub w: Option<AnyBuffer<'a, P>>,
+    pub y: AnyResult<'r, P>,
+    pub rstd: AnyResult<'r, P>,
     pub layout: Layout,
 }
 
 /// Decodes and checks a forward call: counts, x and weight against the attributes, y of x's
 /// dtype and shape, rstd of the accumulator dtype and x's leading shape.
-pub fn forward_operands<'a, 'r>(
-    args: &ArgsView<'a>,
-    rets: &mut ResultList<'r>,
+pub fn forward_operands<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
     has_weight: bool,
     row_len: usize,
-) -> FfiResult<ForwardOperands<'a, 'r>> {
+) -> FfiResult<ForwardOperands<'a, 'r, P>> {
     count("arguments", args.len(), 1 + has_weight as usize)?;
     count("results", rets.len(), 2)?;
     let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
@@ -216,24 +225,24 @@ pub fn forward_operands<'a, 'r>(
 }
 
 /// The checked operands of one `rmsnorm_bwd` call.
-pub struct BackwardOperands<'a, 'r> {
-    pub x: AnyBuffer<'a>,
-    pub w: Option<AnyBuffer<'a>>,
-    pub rstd: AnyBuffer<'a>,
-    pub dy: AnyBuffer<'a>,
-    pub dx: AnyResult<'r>,
-    pub dw: Option<AnyResult<'r>>,
+pub struct BackwardOperands<'a, 'r, P: Platform> {
+    pub x: AnyBuffer<'a, P>,
+    pub w: Option<AnyBuffer<'a, P>>,
+    pub rstd: AnyBuffer<'a, P>,
+    pub dy: AnyBuffer<'a, P>,
+    pub dx: AnyResult<'r, P>,
+    pub dw: Option<AnyResult<'r, P>>,
     pub layout: Layout,
 }
 
 /// Decodes and checks a backward call: arguments (x, [weight], rstd, dy), results (dx,
 /// [dweight]), each against x, the weight and the attributes.
-pub fn backward_operands<'a, 'r>(
-    args: &ArgsView<'a>,
-    rets: &mut ResultList<'r>,
+pub fn backward_operands<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
     has_weight: bool,
     row_len: usize,
-) -> FfiResult<BackwardOperands<'a, 'r>> {
+) -> FfiResult<BackwardOperands<'a, 'r, P>> {
     let has_w = has_weight as usize;
     count("arguments", args.len(), 3 + has_w)?;
     count("results", rets.len(), 1 + has_w)?;

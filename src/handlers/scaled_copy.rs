@@ -11,8 +11,8 @@ use half::{bf16, f16};
 
 use super::error::HandlerError;
 use crate::ffi::{
-    AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiResult, Instantiate,
-    NativeType, Operand,
+    AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiResult, Host,
+    Instantiate, NativeType, Operand,
 };
 use crate::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
 
@@ -45,6 +45,7 @@ pub struct ScaledCopy;
 
 impl Bundle for ScaledCopy {
     const TARGET: &'static str = TARGET;
+    type Platform = Host;
     type State = ScaledCopyState;
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::ffi::attrs::ArrayAttr;
 use crate::ffi::{
-    AttrValue, Attrs, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult,
+    AttrValue, Attrs, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Host,
     Initialize, Instantiate, NoState, Prepare, ResultBuffer, Scalar, Stage,
 };
 use crate::state::LiveState;
@@ -80,6 +80,7 @@ pub struct Stages;
 
 impl Bundle for Stages {
     const TARGET: &'static str = STAGES_TARGET;
+    type Platform = Host;
     type State = StagesState;
 }
 
@@ -151,6 +152,7 @@ pub struct ContextProbe;
 
 impl Bundle for ContextProbe {
     const TARGET: &'static str = CONTEXT_TARGET;
+    type Platform = Host;
     type State = NoState;
 }
 
@@ -192,6 +194,7 @@ pub struct AttrsEcho;
 
 impl Bundle for AttrsEcho {
     const TARGET: &'static str = ATTRS_TARGET;
+    type Platform = Host;
     type State = NoState;
 }
 

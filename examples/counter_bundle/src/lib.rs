@@ -70,6 +70,7 @@ pub struct Counter;
 
 impl Bundle for Counter {
     const TARGET: &'static str = TARGET;
+    type Platform = Host;
     type State = CounterState;
 }
 

@@ -25,7 +25,7 @@ use super::operands::{BackwardAttrs, ForwardAttrs};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
-    FfiResult, Instantiate, ResultList,
+    FfiResult, Host, Instantiate, ResultList,
 };
 use crate::state::{LiveState, WorkspacePool};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
@@ -70,6 +70,7 @@ crate::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 pub struct Forward;
 impl Bundle for Forward {
     const TARGET: &'static str = FORWARD_TARGET;
+    type Platform = Host;
     type State = ForwardState;
 }
 
@@ -91,6 +92,7 @@ impl Instantiate for Forward {
 pub struct Backward;
 impl Bundle for Backward {
     const TARGET: &'static str = BACKWARD_TARGET;
+    type Platform = Host;
     type State = BackwardState;
 }
 
@@ -338,7 +340,7 @@ struct BackwardCall<'s, 'c, 'a> {
 impl BackwardCall<'_, '_, '_> {
     fn run<T: Element, W: Element, A: Accum>(
         &self,
-        ops: BackwardOperands<'_, '_>,
+        ops: BackwardOperands<'_, '_, Host>,
         partials: &WorkspacePool<A>,
     ) -> FfiResult<()> {
         let Layout { rows, n, groups } = self.layout;

@@ -30,7 +30,7 @@ use super::operands::{
     BackwardOperands, ForwardAttrs, ForwardOperands,
 };
 use crate::ffi::{
-    ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Initialize,
+    ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult, Initialize,
     Instantiate, ResultList, Traits,
 };
 use crate::state::LiveState;
@@ -142,6 +142,7 @@ crate::state_type!(GpuBackwardState, "rmsnorm_ffi.RmsNormGpuBackwardState");
 pub struct GpuForward;
 impl Bundle for GpuForward {
     const TARGET: &'static str = FORWARD_TARGET;
+    type Platform = Cuda;
     const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
     type State = GpuForwardState;
 }
@@ -174,6 +175,7 @@ impl Initialize for GpuForward {
 pub struct GpuBackward;
 impl Bundle for GpuBackward {
     const TARGET: &'static str = BACKWARD_TARGET;
+    type Platform = Cuda;
     const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
     type State = GpuBackwardState;
 }
@@ -224,15 +226,15 @@ fn missing_kernel(x: DataType, w: Option<DataType>) -> FfiError {
 }
 
 impl Execute for GpuForward {
-    type Args<'a> = ArgsView<'a>;
-    type Rets<'a> = ResultList<'a>;
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
     type Attrs<'a> = ();
 
     fn execute(
         state: &GpuForwardState,
         ctx: &Context<'_>,
-        args: ArgsView<'_>,
-        mut rets: ResultList<'_>,
+        args: ArgsView<'_, Cuda>,
+        mut rets: ResultList<'_, Cuda>,
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
@@ -285,15 +287,15 @@ impl Execute for GpuForward {
 }
 
 impl Execute for GpuBackward {
-    type Args<'a> = ArgsView<'a>;
-    type Rets<'a> = ResultList<'a>;
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
     type Attrs<'a> = ();
 
     fn execute(
         state: &GpuBackwardState,
         ctx: &Context<'_>,
-        args: ArgsView<'_>,
-        mut rets: ResultList<'_>,
+        args: ArgsView<'_, Cuda>,
+        mut rets: ResultList<'_, Cuda>,
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
