@@ -9,7 +9,9 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::ffi::capsule;
 use crate::ffi::sys::{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
+use crate::ffi::DataType;
 use crate::handlers;
+use crate::handlers::contract::{self as op_contract, DtypePair};
 
 fn platform_error(e: handlers::HandlerError) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -63,6 +65,40 @@ fn platforms() -> Vec<&'static str> {
     handlers::PLATFORMS.to_vec()
 }
 
+/// NumPy's name for a dtype of the op contract.
+fn numpy_name(d: DataType) -> PyResult<&'static str> {
+    match d {
+        DataType::F32 => Ok("float32"),
+        DataType::F64 => Ok("float64"),
+        DataType::BF16 => Ok("bfloat16"),
+        DataType::F16 => Ok("float16"),
+        other => Err(PyValueError::new_err(format!(
+            "{other} has no NumPy name here (not a dtype of the op contract)"
+        ))),
+    }
+}
+
+/// The op contract of the RMS norm targets (`handlers::contract`), for the Python checks:
+/// `{"forward_target", "backward_target", "max_row_len", "dtype_pairs": [{"x", "weight",
+/// "accumulation"}, ...]}` with NumPy dtype names, pairs in the contract's order.
+#[pyfunction]
+fn contract(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("forward_target", op_contract::FORWARD_TARGET)?;
+    out.set_item("backward_target", op_contract::BACKWARD_TARGET)?;
+    out.set_item("max_row_len", op_contract::MAX_ROW_LEN)?;
+    let pairs = PyList::empty(py);
+    for pair in DtypePair::ALL {
+        let d = PyDict::new(py);
+        d.set_item("x", numpy_name(pair.x())?)?;
+        d.set_item("weight", numpy_name(pair.weight())?)?;
+        d.set_item("accumulation", numpy_name(pair.accumulation())?)?;
+        pairs.append(d)?;
+    }
+    out.set_item("dtype_pairs", pairs)?;
+    Ok(out)
+}
+
 /// A snapshot of the live-state registry.
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -98,6 +134,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(type_ids, m)?)?;
     m.add_function(wrap_pyfunction!(platforms, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(contract, m)?)?;
     m.add(
         "XLA_FFI_API_VERSION",
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),

@@ -17,18 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rmsnorm_ffi import _math, _primitives
+from rmsnorm_ffi import _math, _native, _primitives
 from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET
 from rmsnorm_ffi._registration import register
 
-_FLOATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
-_FLOAT_NAMES = "float32, float64, bfloat16 or float16"
+# The checks read the op contract the Rust handlers enforce (src/handlers/contract.rs), so the
+# two cannot disagree: the (x, weight) dtype pairs, each with its accumulation dtype, and the
+# longest row.
+_CONTRACT = _native.contract()
+_PAIRS = {(jnp.dtype(p["x"]), jnp.dtype(p["weight"])): jnp.dtype(p["accumulation"]) for p in _CONTRACT["dtype_pairs"]}
+_FLOATS = tuple(dict.fromkeys(x for x, _ in _PAIRS))
+_FLOAT_NAMES = ", ".join(str(d) for d in _FLOATS[:-1]) + f" or {_FLOATS[-1]}"
 
 
-_acc_dtype = _math.acc_dtype
+def _acc_dtype(dtype) -> jnp.dtype:
+    """The accumulation dtype (rstd's) of x's dtype, from the contract."""
+    return _PAIRS[(jnp.dtype(dtype), jnp.dtype(dtype))]
 
 
-MAX_ROW_LEN = 1 << 26  # the Rust handlers' limit on the normalized axis
+MAX_ROW_LEN = _CONTRACT["max_row_len"]  # the Rust handlers' limit on the normalized axis
 
 
 def _check_array(op: str, name: str, value):
@@ -59,8 +66,10 @@ def _check_weight(op: str, x, weight):
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"{op}: weight must have shape ({n},) to match x's last axis, got {tuple(weight.shape)}")
-    if jnp.dtype(weight.dtype) not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
-        raise TypeError(f"{op}: weight must have x's dtype ({x.dtype}) or float32, got {weight.dtype}")
+    if (jnp.dtype(x.dtype), jnp.dtype(weight.dtype)) not in _PAIRS:
+        others = [str(w) for (xd, w) in _PAIRS if xd == jnp.dtype(x.dtype) and w != xd]
+        also = "".join(f" or {w}" for w in others)
+        raise TypeError(f"{op}: weight must have x's dtype ({x.dtype}){also}, got {weight.dtype}")
     return weight
 
 

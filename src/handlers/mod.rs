@@ -1,5 +1,6 @@
 //! Handlers: the bundles this extension registers, per platform.
 
+pub mod contract;
 pub mod cpu;
 pub mod error;
 pub mod gpu;

@@ -1,15 +1,15 @@
-//! The contract of the `rmsnorm_fwd` / `rmsnorm_bwd` targets, shared by the CPU and GPU bundles:
+//! The operands of the `rmsnorm_fwd` / `rmsnorm_bwd` targets, shared by the CPU and GPU bundles:
 //! their attributes and the checks instantiate makes of them, and which dtypes and shapes the
-//! arguments and results must have, checked against those attributes. Every check names the
-//! attribute or operand it rejects.
+//! arguments and results must have, checked against those attributes and the op contract
+//! ([`super::contract`]). Every check names the attribute or operand it rejects.
 
+use super::contract::{self, DtypePair};
 use super::error::HandlerError;
 use crate::ffi::{
     AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, Platform, ResultList,
 };
 
-/// Longest row accepted (keeps workspaces bounded).
-pub const MAX_ROW_LEN: i64 = 1 << 26;
+pub use super::contract::MAX_ROW_LEN;
 
 crate::ffi_attrs! {
     /// Attributes of `rmsnorm_fwd`.
@@ -55,9 +55,6 @@ pub fn check_row_len(row_len: i64) -> Result<usize, HandlerError> {
     Ok(row_len as usize)
 }
 
-/// The dtypes of x (and y, dx, dy).
-pub const X_DTYPES: [DataType; 4] = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
-
 /// The shape of a call, checked against the state's attributes.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
@@ -74,21 +71,20 @@ impl Layout {
     }
 }
 
-/// The accumulator dtype for `x`'s dtype (the dtype of `rstd`).
+/// The accumulator dtype for `x`'s dtype (the dtype of `rstd`), for an x that the operand
+/// checks accepted; any other dtype is a bug here and panics (the trampoline reports it).
 pub fn acc_dtype(x: DataType) -> DataType {
-    if x == DataType::F64 {
-        DataType::F64
-    } else {
-        DataType::F32
-    }
+    contract::accumulation(x)
+        .unwrap_or_else(|| panic!("{x} is not an x dtype of the op contract (checked before)"))
 }
 
 fn check_x<P: Platform>(
     x: &AnyBuffer<'_, P>,
     row_len: usize,
 ) -> Result<(usize, usize), HandlerError> {
-    if !X_DTYPES.contains(&x.dtype()) {
-        return Err(HandlerError::dtype(x.operand(), &X_DTYPES, x.dtype()));
+    if contract::accumulation(x.dtype()).is_none() {
+        let accepted = contract::x_dtypes();
+        return Err(HandlerError::dtype(x.operand(), &accepted, x.dtype()));
     }
     let Some((&n, lead)) = x.dims().split_last() else {
         return Err(HandlerError::shape(
@@ -105,17 +101,14 @@ fn check_x<P: Platform>(
     Ok((lead.iter().product::<i64>() as usize, row_len))
 }
 
+/// The weight's groups (see [`Layout::groups`]), for a weight whose dtype pairs with x's.
 fn check_weight<P: Platform>(
     x: &AnyBuffer<'_, P>,
     w: &AnyBuffer<'_, P>,
 ) -> Result<usize, HandlerError> {
-    if w.dtype() != x.dtype() && w.dtype() != DataType::F32 {
-        let accepted: &[DataType] = if x.dtype() == DataType::F32 {
-            &[DataType::F32]
-        } else {
-            &[x.dtype(), DataType::F32]
-        };
-        return Err(HandlerError::dtype(w.operand(), accepted, w.dtype()));
+    if DtypePair::of(x.dtype(), Some(w.dtype())).is_none() {
+        let accepted = contract::weight_dtypes(x.dtype());
+        return Err(HandlerError::dtype(w.operand(), &accepted, w.dtype()));
     }
     let (xd, wd) = (x.dims(), w.dims());
     let k = wd.len().wrapping_sub(1);
@@ -133,12 +126,19 @@ fn check_weight<P: Platform>(
     Ok(groups)
 }
 
-/// Arguments 0 (x) and, with a weight, 1, checked against the attributes and each other.
+/// Arguments 0 (x) and, with a weight, 1, checked against the attributes, each other and the
+/// contract, with the contract's pair for their dtypes.
+#[allow(clippy::type_complexity)]
 fn x_and_weight<'a, P: Platform>(
     args: &ArgsView<'a, P>,
     has_weight: bool,
     row_len: usize,
-) -> FfiResult<(AnyBuffer<'a, P>, Option<AnyBuffer<'a, P>>, Layout)> {
+) -> FfiResult<(
+    AnyBuffer<'a, P>,
+    Option<AnyBuffer<'a, P>>,
+    DtypePair,
+    Layout,
+)> {
     let x = args.get(0)?;
     let (rows, n) = check_x(&x, row_len)?;
     let w = if has_weight { Some(args.get(1)?) } else { None };
@@ -146,7 +146,9 @@ fn x_and_weight<'a, P: Platform>(
         Some(w) => check_weight(&x, w)?,
         None => 1,
     };
-    Ok((x, w, Layout { rows, n, groups }))
+    let pair = DtypePair::of(x.dtype(), w.as_ref().map(|w| w.dtype()))
+        .ok_or_else(|| FfiError::internal("the checked dtypes have no pair in the contract"))?;
+    Ok((x, w, pair, Layout { rows, n, groups }))
 }
 
 fn expect(
@@ -191,6 +193,8 @@ pub struct ForwardOperands<'a, 'r, P: Platform> {
     pub w: Option<AnyBuffer<'a, P>>,
     pub y: AnyResult<'r, P>,
     pub rstd: AnyResult<'r, P>,
+    /// The contract's pair for x's and the weight's dtypes.
+    pub pair: DtypePair,
     pub layout: Layout,
 }
 
@@ -204,7 +208,7 @@ pub fn forward_operands<'a, 'r, P: Platform>(
 ) -> FfiResult<ForwardOperands<'a, 'r, P>> {
     count("arguments", args.len(), 1 + has_weight as usize)?;
     count("results", rets.len(), 2)?;
-    let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
+    let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
     let (y, rstd) = (result(rets, 0)?, result(rets, 1)?);
     expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
     let lead = &x.dims()[..x.rank() - 1];
@@ -212,7 +216,7 @@ pub fn forward_operands<'a, 'r, P: Platform>(
         rstd.operand(),
         rstd.dtype(),
         rstd.dims(),
-        acc_dtype(x.dtype()),
+        pair.accumulation(),
         lead,
     )?;
     Ok(ForwardOperands {
@@ -220,6 +224,7 @@ pub fn forward_operands<'a, 'r, P: Platform>(
         w,
         y,
         rstd,
+        pair,
         layout,
     })
 }
@@ -232,6 +237,8 @@ pub struct BackwardOperands<'a, 'r, P: Platform> {
     pub dy: AnyBuffer<'a, P>,
     pub dx: AnyResult<'r, P>,
     pub dw: Option<AnyResult<'r, P>>,
+    /// The contract's pair for x's and the weight's dtypes.
+    pub pair: DtypePair,
     pub layout: Layout,
 }
 
@@ -246,14 +253,14 @@ pub fn backward_operands<'a, 'r, P: Platform>(
     let has_w = has_weight as usize;
     count("arguments", args.len(), 3 + has_w)?;
     count("results", rets.len(), 1 + has_w)?;
-    let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
+    let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
     let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
     let lead = &x.dims()[..x.rank() - 1];
     expect(
         rstd.operand(),
         rstd.dtype(),
         rstd.dims(),
-        acc_dtype(x.dtype()),
+        pair.accumulation(),
         lead,
     )?;
     expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
@@ -274,6 +281,7 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         dy,
         dx,
         dw,
+        pair,
         layout,
     })
 }

@@ -15,24 +15,23 @@ pub mod simd;
 
 use half::{bf16, f16};
 
-use super::error::HandlerError;
+use super::contract::DtypePair;
+pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET};
 use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
 use super::operands::{
     backward_operands, check_eps, check_row_len, forward_operands, BackwardOperands,
-    ForwardOperands, Layout, X_DTYPES,
+    ForwardOperands, Layout,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use crate::ffi::{
-    AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, DataType, Execute, FfiError,
-    FfiResult, Host, Instantiate, ResultList,
+    AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host,
+    Instantiate, ResultList,
 };
 use crate::state::{LiveState, WorkspacePool};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
 use simd::Kernel;
 
-pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
-pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
 
@@ -170,20 +169,20 @@ impl Execute for Forward {
             w,
             y,
             rstd,
+            pair,
             layout,
         } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
         let call = ForwardCall { state, ctx, layout };
-        match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
-            (DataType::F32, None | Some(DataType::F32)) => call.run::<f32, f32, f32>(x, w, y, rstd),
-            (DataType::F64, None | Some(DataType::F64)) => call.run::<f64, f64, f64>(x, w, y, rstd),
-            (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(x, w, y, rstd),
-            (DataType::BF16, None | Some(DataType::BF16)) => {
-                call.run::<bf16, bf16, f32>(x, w, y, rstd)
-            }
-            (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(x, w, y, rstd),
-            (DataType::F16, None | Some(DataType::F16)) => call.run::<f16, f16, f32>(x, w, y, rstd),
-            (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(x, w, y, rstd),
-            (other, _) => Err(HandlerError::dtype(x.operand(), &X_DTYPES, other).into()),
+        // One arm per pair of the op contract: a pair added there does not compile until it
+        // has a kernel here.
+        match pair {
+            DtypePair::F32 => call.run::<f32, f32, f32>(x, w, y, rstd),
+            DtypePair::F64 => call.run::<f64, f64, f64>(x, w, y, rstd),
+            DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(x, w, y, rstd),
+            DtypePair::BF16 => call.run::<bf16, bf16, f32>(x, w, y, rstd),
+            DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(x, w, y, rstd),
+            DtypePair::F16 => call.run::<f16, f16, f32>(x, w, y, rstd),
+            DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(x, w, y, rstd),
         }
     }
 }
@@ -267,23 +266,15 @@ impl Execute for Backward {
             ctx,
             layout: ops.layout,
         };
-        match (ops.x.dtype(), ops.w.as_ref().map(|w| w.dtype())) {
-            (DataType::F32, None | Some(DataType::F32)) => {
-                call.run::<f32, f32, f32>(ops, &state.partials_f32)
-            }
-            (DataType::F64, None | Some(DataType::F64)) => {
-                call.run::<f64, f64, f64>(ops, &state.partials_f64)
-            }
-            (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(ops, &state.partials_f64),
-            (DataType::BF16, None | Some(DataType::BF16)) => {
-                call.run::<bf16, bf16, f32>(ops, &state.partials_f32)
-            }
-            (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(ops, &state.partials_f32),
-            (DataType::F16, None | Some(DataType::F16)) => {
-                call.run::<f16, f16, f32>(ops, &state.partials_f32)
-            }
-            (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(ops, &state.partials_f32),
-            (other, _) => Err(HandlerError::dtype(ops.x.operand(), &X_DTYPES, other).into()),
+        // One arm per pair of the op contract, as in the forward.
+        match ops.pair {
+            DtypePair::F32 => call.run::<f32, f32, f32>(ops, &state.partials_f32),
+            DtypePair::F64 => call.run::<f64, f64, f64>(ops, &state.partials_f64),
+            DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(ops, &state.partials_f64),
+            DtypePair::BF16 => call.run::<bf16, bf16, f32>(ops, &state.partials_f32),
+            DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(ops, &state.partials_f32),
+            DtypePair::F16 => call.run::<f16, f16, f32>(ops, &state.partials_f32),
+            DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(ops, &state.partials_f32),
         }
     }
 }

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use super::simd::Kernel;
 use super::*;
 use crate::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use crate::ffi::{NativeType, Stage};
+use crate::ffi::{DataType, NativeType, Stage};
 use crate::handlers::math;
 
 /// Deterministic pseudo-random values in [-2, 2).
@@ -146,20 +146,23 @@ fn as_f64<T: Element>(b: &OwnedBuffer) -> Vec<f64> {
     b.values::<T>().into_iter().map(|v| v.to_f64()).collect()
 }
 
-/// Runs forward then backward with weight through the fake runtime; returns (y, rstd, dx, dw).
-fn run_both<T: Element + NativeType>(ctx: &FakeContext, dims: &[i64], seed: u64) -> [Vec<f64>; 4] {
+/// Runs forward then backward with a `W` weight through the fake runtime; returns (y, rstd,
+/// dx, dw).
+fn run_both<T: Element + NativeType, W: Element + NativeType>(
+    ctx: &FakeContext,
+    dims: &[i64],
+    seed: u64,
+) -> [Vec<f64>; 4] {
     let n = *dims.last().unwrap() as usize;
     let count: usize = dims.iter().product::<i64>() as usize;
     let lead = &dims[..dims.len() - 1];
-    let acc = if T::DTYPE == DataType::F64 {
-        DataType::F64
-    } else {
-        DataType::F32
-    };
+    let acc = DtypePair::of(T::DTYPE, Some(W::DTYPE))
+        .expect("a pair of the contract")
+        .accumulation();
     let x: Vec<T> = values(count, seed).into_iter().map(T::from_f32).collect();
-    let w: Vec<T> = values(n, seed + 1)
+    let w: Vec<W> = values(n, seed + 1)
         .into_iter()
-        .map(|v| T::from_f32(v + 2.5))
+        .map(|v| W::from_f32(v + 2.5))
         .collect();
     let dy: Vec<T> = values(count, seed + 2)
         .into_iter()
@@ -194,7 +197,7 @@ fn run_both<T: Element + NativeType>(ctx: &FakeContext, dims: &[i64], seed: u64)
         .arg(rstd_buf.clone())
         .arg(OwnedBuffer::from_values(dims, &dy))
         .ret(OwnedBuffer::zeros(T::DTYPE, dims))
-        .ret(OwnedBuffer::zeros(T::DTYPE, &[n as i64]))
+        .ret(OwnedBuffer::zeros(W::DTYPE, &[n as i64]))
         .build(ctx);
     b.call(BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
         .unwrap();
@@ -203,13 +206,24 @@ fn run_both<T: Element + NativeType>(ctx: &FakeContext, dims: &[i64], seed: u64)
     } else {
         as_f64::<f32>(&rstd_buf)
     };
-    [y, rstd, as_f64::<T>(b.result(0)), as_f64::<T>(b.result(1))]
+    [y, rstd, as_f64::<T>(b.result(0)), as_f64::<W>(b.result(1))]
 }
 
-fn check_against_reference<T: Element + NativeType>(dims: &[i64], tol: f64) {
+/// Relative tolerance of results of dtype `d` against the float64 reference.
+fn tolerance(d: DataType) -> f64 {
+    match d {
+        DataType::F64 => 1e-12,
+        DataType::F32 => 2e-5,
+        DataType::F16 => 4e-3,
+        _ => 2e-2,
+    }
+}
+
+fn check_against_reference<T: Element + NativeType, W: Element + NativeType>(dims: &[i64]) {
+    let tol = tolerance(T::DTYPE);
     register();
     let ctx = FakeContext::with_threads(3);
-    let [y, rstd, dx, dw] = run_both::<T>(&ctx, dims, 7);
+    let [y, rstd, dx, dw] = run_both::<T, W>(&ctx, dims, 7);
     let n = *dims.last().unwrap() as usize;
     let count: usize = dims.iter().product::<i64>() as usize;
     let x: Vec<f64> = values(count, 7)
@@ -218,7 +232,7 @@ fn check_against_reference<T: Element + NativeType>(dims: &[i64], tol: f64) {
         .collect();
     let w: Vec<f64> = values(n, 8)
         .into_iter()
-        .map(|v| T::from_f32(v + 2.5).to_f64())
+        .map(|v| W::from_f32(v + 2.5).to_f64())
         .collect();
     let dy: Vec<f64> = values(count, 9)
         .into_iter()
@@ -228,17 +242,72 @@ fn check_against_reference<T: Element + NativeType>(dims: &[i64], tol: f64) {
     close(&y, &ry, tol, "y");
     close(&rstd, &rr, tol, "rstd");
     close(&dx, &rdx, tol, "dx");
-    close(&dw, &rdw, tol * (count / n.max(1)).max(1) as f64, "dw");
+    // dweight is stored in the weight's dtype, and sums a contribution per row.
+    let tol_w = tol.max(tolerance(W::DTYPE));
+    close(&dw, &rdw, tol_w * (count / n.max(1)).max(1) as f64, "dw");
 }
 
 #[test]
-fn bundles_match_a_float64_reference() {
+fn every_pair_of_the_contract_matches_a_float64_reference() {
     for dims in [&[3, 5][..], &[300, 64], &[2, 3, 129], &[1], &[4, 1]] {
-        check_against_reference::<f32>(dims, 2e-5);
-        check_against_reference::<f64>(dims, 1e-12);
-        check_against_reference::<bf16>(dims, 2e-2);
-        check_against_reference::<f16>(dims, 4e-3);
+        for pair in DtypePair::ALL {
+            match pair {
+                DtypePair::F32 => check_against_reference::<f32, f32>(dims),
+                DtypePair::F64 => check_against_reference::<f64, f64>(dims),
+                DtypePair::F64WeightF32 => check_against_reference::<f64, f32>(dims),
+                DtypePair::BF16 => check_against_reference::<bf16, bf16>(dims),
+                DtypePair::BF16WeightF32 => check_against_reference::<bf16, f32>(dims),
+                DtypePair::F16 => check_against_reference::<f16, f16>(dims),
+                DtypePair::F16WeightF32 => check_against_reference::<f16, f32>(dims),
+            }
+        }
     }
+}
+
+#[test]
+fn pairs_outside_the_contract_are_refused_naming_what_is_accepted() {
+    register();
+    let floats = [DataType::F32, DataType::F64, DataType::BF16, DataType::F16];
+    let mut refused = 0;
+    for x in floats.into_iter().chain([DataType::S32, DataType::U8]) {
+        for w in floats {
+            if DtypePair::of(x, Some(w)).is_some() {
+                continue;
+            }
+            let ctx = FakeContext::new();
+            let attrs = vec![
+                ("eps", OwnedAttr::scalar(1e-5f32)),
+                ("has_weight", OwnedAttr::pred(true)),
+                ("row_len", OwnedAttr::scalar(4i64)),
+            ];
+            instantiate(&ctx, &FORWARD_BUNDLE, attrs).unwrap();
+            let acc = crate::handlers::contract::accumulation(x).unwrap_or(DataType::F32);
+            let mut f = FrameBuilder::new(Stage::Execute)
+                .arg(OwnedBuffer::zeros(x, &[2, 4]))
+                .arg(OwnedBuffer::zeros(w, &[4]))
+                .ret(OwnedBuffer::zeros(x, &[2, 4]))
+                .ret(OwnedBuffer::zeros(acc, &[2]))
+                .build(&ctx);
+            let (_, message) = f
+                .call(FORWARD_BUNDLE.handler(Stage::Execute).unwrap())
+                .unwrap_err();
+            let expected = if crate::handlers::contract::accumulation(x).is_some() {
+                let accepted = crate::handlers::contract::weight_dtypes(x);
+                let names: Vec<&str> = accepted.iter().map(|d| d.name()).collect();
+                let expected = match names.as_slice() {
+                    [one] => one.to_string(),
+                    many => format!("one of {}", many.join(", ")),
+                };
+                format!("wrong dtype for argument 1: expected {expected}, got {w}")
+            } else {
+                format!("wrong dtype for argument 0: expected one of F32, F64, BF16, F16, got {x}")
+            };
+            assert!(message.contains(&expected), "{x} with {w}: {message}");
+            refused += 1;
+        }
+    }
+    // 16 float pairs, 7 in the contract; 2 unlisted x dtypes with 4 weights each.
+    assert_eq!(refused, 16 - 7 + 8);
 }
 
 #[test]
@@ -246,7 +315,7 @@ fn long_rows_reduce_in_many_column_blocks() {
     // Rows longer than MAX_CHUNKS * REDUCE_BLOCK columns: reduction blocks hold several
     // REDUCE_BLOCK-wide pieces.
     for n in [65_537i64, 131_072] {
-        check_against_reference::<f32>(&[9, n], 2e-5);
+        check_against_reference::<f32, f32>(&[9, n]);
     }
 }
 
@@ -258,7 +327,7 @@ fn weight_gradient_is_bitwise_identical_whatever_the_thread_count() {
         .iter()
         .map(|&threads| {
             let ctx = FakeContext::with_threads(threads);
-            let [_, _, dx, dw] = run_both::<f32>(&ctx, &dims, 11);
+            let [_, _, dx, dw] = run_both::<f32, f32>(&ctx, &dims, 11);
             dx.iter().chain(&dw).map(|v| v.to_bits()).collect()
         })
         .collect();

@@ -9,43 +9,46 @@ use parking_lot::Mutex;
 
 use super::driver::{self, Compiled, GpuError, GpuResult};
 use crate::ffi::DataType;
+use crate::handlers::contract::DtypePair;
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("rmsnorm.cu");
 
-/// (x, weight) dtype pairs, in stamping order; a missing weight uses x's dtype (null pointer).
-pub const COMBOS: [(DataType, DataType); 7] = [
-    (DataType::F32, DataType::F32),
-    (DataType::F64, DataType::F64),
-    (DataType::F64, DataType::F32),
-    (DataType::BF16, DataType::BF16),
-    (DataType::BF16, DataType::F32),
-    (DataType::F16, DataType::F16),
-    (DataType::F16, DataType::F32),
-];
+/// (x, weight) dtype pairs, in table order: the op contract's pairs, one forward and one
+/// backward kernel each (rmsnorm.cu stamps them); a missing weight uses the pair whose weight
+/// is x's dtype (with a null pointer).
+pub const COMBOS: [DtypePair; 7] = DtypePair::ALL;
 
-/// (accumulator, weight) dtype pairs of the finalize kernels.
-pub const FINALIZE: [(DataType, DataType); 5] = [
-    (DataType::F32, DataType::F32),
-    (DataType::F32, DataType::BF16),
-    (DataType::F32, DataType::F16),
-    (DataType::F64, DataType::F64),
-    (DataType::F64, DataType::F32),
-];
+/// (accumulator, weight) dtype pairs of the finalize kernels: one per distinct pair of the
+/// contract's accumulation and weight dtypes.
+pub static FINALIZE: Lazy<Vec<(DataType, DataType)>> = Lazy::new(|| {
+    let mut out = Vec::new();
+    for pair in COMBOS {
+        let key = (pair.accumulation(), pair.weight());
+        if !out.contains(&key) {
+            out.push(key);
+        }
+    }
+    out
+});
 
+/// The dtype's suffix in kernel names. Only the contract's dtypes have kernels; any other is a
+/// bug in the caller, which gets its dtypes from [`COMBOS`] or from checked operands.
 fn code(d: DataType) -> &'static str {
     match d {
         DataType::F32 => "f32",
         DataType::F64 => "f64",
         DataType::BF16 => "bf16",
-        _ => "f16",
+        DataType::F16 => "f16",
+        other => panic!("{other} has no GPU kernels: it is not a dtype of the op contract"),
     }
 }
 
 /// Every kernel name, in module order: per combo fwd_v, fwd_s, bwd_v, bwd_s; then finalize.
 pub static NAMES: Lazy<Vec<&'static str>> = Lazy::new(|| {
     let mut out: Vec<&'static str> = Vec::new();
-    for (x, w) in COMBOS {
+    for pair in COMBOS {
+        let (x, w) = (pair.x(), pair.weight());
         for kind in ["fwd", "bwd"] {
             for path in ["v", "s"] {
                 let name = format!("rmsnorm_{kind}_{}_w{}_{path}", code(x), code(w));
@@ -53,7 +56,7 @@ pub static NAMES: Lazy<Vec<&'static str>> = Lazy::new(|| {
             }
         }
     }
-    for (a, w) in FINALIZE {
+    for &(a, w) in FINALIZE.iter() {
         let name = format!("rmsnorm_bwd_finalize_{}_w{}", code(a), code(w));
         out.push(Box::leak(name.into_boxed_str()));
     }
@@ -73,8 +76,8 @@ pub fn kernel_index(
     w: Option<DataType>,
     vectorized: bool,
 ) -> Option<usize> {
-    let w = w.unwrap_or(x);
-    let combo = COMBOS.iter().position(|&c| c == (x, w))?;
+    let pair = DtypePair::of(x, w)?;
+    let combo = COMBOS.iter().position(|&c| c == pair)?;
     let dir = match dir {
         Direction::Forward => 0,
         Direction::Backward => 2,
@@ -88,12 +91,14 @@ pub fn finalize_index(acc: DataType, w: DataType) -> Option<usize> {
     Some(4 * COMBOS.len() + i)
 }
 
-/// Bytes per element.
+/// Bytes per element of a dtype of the contract (any other is a bug in the caller, as for
+/// the kernel names).
 pub fn size_of(d: DataType) -> usize {
     match d {
         DataType::F64 => 8,
         DataType::F32 => 4,
-        _ => 2,
+        DataType::BF16 | DataType::F16 => 2,
+        other => panic!("{other} has no GPU kernels: it is not a dtype of the op contract"),
     }
 }
 
@@ -277,6 +282,34 @@ mod tests {
         for name in NAMES.iter() {
             assert!(SOURCE.contains(&name[..name.len() - 2]) || SOURCE.contains("STAMP"));
         }
+    }
+
+    #[test]
+    fn every_pair_of_the_contract_has_its_kernels() {
+        for pair in DtypePair::ALL {
+            let (x, w) = (pair.x(), pair.weight());
+            for dir in [Direction::Forward, Direction::Backward] {
+                for vectorized in [true, false] {
+                    let i = kernel_index(dir, x, Some(w), vectorized).unwrap();
+                    let kind = if dir == Direction::Forward {
+                        "fwd"
+                    } else {
+                        "bwd"
+                    };
+                    assert!(NAMES[i].starts_with(&format!(
+                        "rmsnorm_{kind}_{}_w{}_",
+                        code(x),
+                        code(w)
+                    )));
+                }
+            }
+            let i = finalize_index(pair.accumulation(), w).unwrap();
+            assert!(NAMES[i].ends_with(&format!("_{}_w{}", code(pair.accumulation()), code(w))));
+        }
+        assert_eq!(
+            kernel_index(Direction::Forward, DataType::F32, None, true),
+            kernel_index(Direction::Forward, DataType::F32, Some(DataType::F32), true)
+        );
     }
 
     #[test]

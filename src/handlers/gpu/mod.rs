@@ -26,8 +26,8 @@ use dashmap::DashMap;
 use once_cell::sync::OnceCell;
 
 use super::operands::{
-    acc_dtype, backward_operands, check_eps, check_row_len, forward_operands, BackwardAttrs,
-    BackwardOperands, ForwardAttrs, ForwardOperands,
+    backward_operands, check_eps, check_row_len, forward_operands, BackwardAttrs, BackwardOperands,
+    ForwardAttrs, ForwardOperands,
 };
 use crate::ffi::{
     ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult, Initialize,
@@ -37,8 +37,7 @@ use crate::state::LiveState;
 use driver::{DeviceModule, GpuError, KernelArgs, LaunchConfig};
 use kernels::{Direction, Launch};
 
-pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
-pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
+pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET};
 
 impl From<GpuError> for FfiError {
     fn from(e: GpuError) -> Self {
@@ -244,6 +243,7 @@ impl Execute for GpuForward {
             y,
             rstd,
             layout,
+            ..
         } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
         if layout.rows == 0 {
             return Ok(());
@@ -306,9 +306,10 @@ impl Execute for GpuBackward {
             dy,
             dx,
             dw,
+            pair,
             layout,
         } = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        let acc = acc_dtype(x.dtype());
+        let acc = pair.accumulation();
         let n = layout.n;
         if n == 0 || (layout.rows == 0 && dw.is_none()) {
             return Ok(());
