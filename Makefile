@@ -21,7 +21,7 @@ PY_NEW := $(VENV_NEW)/bin/python
 DEPS_NEW := $(VENV_NEW)/.deps-installed
 WHEEL_NEW := target/wheel-new
 
-.PHONY: demo stateful-demo counter-bundle memcheck test bench develop rust-test python-test \
+.PHONY: demo stateful-demo bundles counter-bundle memcheck test bench develop rust-test python-test \
 	python-test-new clean
 
 $(DEPS): requirements-dev.txt pyproject.toml
@@ -52,11 +52,16 @@ demo: develop
 stateful-demo: develop
 	$(PY) examples/stateful_demo.py
 
-# The example of a bundle in a crate of its own (examples/counter_bundle). Its own target folder:
-# building it there also builds this crate's cdylib without the `python` feature, and in target/
-# that file would replace the extension `maturin develop` copies from target/release.
-counter-bundle:
-	CARGO_TARGET_DIR=target/counter_bundle cargo build --release --quiet --manifest-path examples/counter_bundle/Cargo.toml
+# The shared libraries built on the crate that this repo ships, workspace members registered with
+# rmsnorm_ffi.register_library: the example of a bundle in a crate of its own. Built in the
+# `bundles` profile, so they land in target/bundles/: building them also builds this crate's
+# cdylib without the `python` feature, which in target/release would replace the extension that
+# `maturin develop` copies from there.
+BUNDLE_PACKAGES := counter_bundle
+bundles:
+	cargo build --profile bundles --quiet $(addprefix -p ,$(BUNDLE_PACKAGES))
+
+counter-bundle: bundles
 
 # RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
 rust-test: $(DEPS)
@@ -73,7 +78,7 @@ memcheck: $(DEPS)
 	test -n "$$bin" || { echo "memcheck: no fuzz_frames test binary"; exit 1; }; \
 	PROPTEST_CASES=150 valgrind --quiet --error-exitcode=99 $$bin --test-threads=1
 
-python-test: develop counter-bundle
+python-test: develop bundles
 	$(PY) -m pytest -q tests/python
 
 # The tests that ask the newest jax something the oldest could answer differently, run in

@@ -1,13 +1,19 @@
-//! The `rmsnorm_ffi._native` extension module: capsules for registration, and statistics.
+//! The `rmsnorm_ffi._native` extension module: capsules for registration, library tables, the
+//! op contract and statistics.
 //!
-//! Registration itself happens in Python (`rmsnorm_ffi.register()`), which must control the
-//! order (backend first, then types, then bundles); this module only hands out the pieces.
+//! Registration itself happens in Python (`rmsnorm_ffi.register()` and `register_library()`),
+//! which must control the order (backend first, then types, then bundles); this module only
+//! hands out the pieces: the extension's own table and any library's, read the same way
+//! (`ffi::library`), as `{"bundles": [...], "state_types": {...}}` descriptions.
+
+use std::path::Path;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::ffi::capsule;
+use crate::ffi::library::{self, Library, LibraryError};
 use crate::ffi::sys::{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
 use crate::ffi::DataType;
 use crate::handlers;
@@ -63,6 +69,66 @@ fn type_ids<'py>(py: Python<'py>, platform: &str) -> PyResult<Bound<'py, PyDict>
 #[pyfunction]
 fn platforms() -> Vec<&'static str> {
     handlers::PLATFORMS.to_vec()
+}
+
+/// `{"origin", "crate_version", "xla_api_version", "bundles": [{"target", "platform", "traits",
+/// "stages": {stage: capsule}, "state_type": name or None}], "state_types": {name: {"type_id":
+/// capsule, "type_info": capsule}}}` for a checked table.
+fn describe<'py>(py: Python<'py>, table: &Library) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("origin", &table.origin)?;
+    out.set_item("crate_version", &table.crate_version)?;
+    out.set_item("xla_api_version", table.xla_api_version)?;
+    let bundles = PyList::empty(py);
+    for bundle in &table.bundles {
+        let d = PyDict::new(py);
+        d.set_item("target", &bundle.target)?;
+        d.set_item("platform", bundle.platform)?;
+        d.set_item("traits", bundle.traits)?;
+        let stages = PyDict::new(py);
+        for (stage, handler) in &bundle.stages {
+            stages.set_item(stage.name(), capsule::handler(py, handler.0)?)?;
+        }
+        d.set_item("stages", stages)?;
+        let state = bundle
+            .state_type
+            .map(|i| table.state_types[i].name.as_str());
+        d.set_item("state_type", state)?;
+        bundles.append(d)?;
+    }
+    out.set_item("bundles", bundles)?;
+    let types = PyDict::new(py);
+    for t in &table.state_types {
+        let (type_id, type_info) = capsule::library_state_type(py, t.type_id, t.type_info)?;
+        let entry = PyDict::new(py);
+        entry.set_item("type_id", type_id)?;
+        entry.set_item("type_info", type_info)?;
+        types.set_item(&t.name, entry)?;
+    }
+    out.set_item("state_types", types)?;
+    Ok(out)
+}
+
+fn library_error(e: LibraryError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// The extension's own bundles and state types, as [`load_library`] describes a library's.
+#[pyfunction]
+fn product(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let table = library::read_own(&handlers::TABLE, "rmsnorm_ffi").map_err(library_error)?;
+    describe(py, &table)
+}
+
+/// Loads the shared library at `path` (a library built on this crate, exporting its table with
+/// `export_library!`), checks its table, makes it report its states into this extension's
+/// registry, and describes its bundles and state types. Once per library; ValueError naming
+/// the problem for anything else.
+#[pyfunction]
+fn load_library<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+    let table =
+        library::load(Path::new(path), &crate::state::registry::HOOKS).map_err(library_error)?;
+    describe(py, table)
 }
 
 /// NumPy's name for a dtype of the op contract.
@@ -135,6 +201,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(platforms, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(contract, m)?)?;
+    m.add_function(wrap_pyfunction!(product, m)?)?;
+    m.add_function(wrap_pyfunction!(load_library, m)?)?;
+    m.add(
+        "LIBRARY_ABI_VERSION",
+        crate::ffi::export::LIBRARY_ABI_VERSION,
+    )?;
     m.add(
         "XLA_FFI_API_VERSION",
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),

@@ -31,8 +31,13 @@ fn cases() -> u32 {
         .unwrap_or(3000)
 }
 
+/// Every host bundle of the extension.
 fn bundles() -> &'static [BundleDef] {
-    rmsnorm_ffi::handlers::bundles("cpu").expect("cpu bundles")
+    static BUNDLES: std::sync::OnceLock<Vec<BundleDef>> = std::sync::OnceLock::new();
+    BUNDLES.get_or_init(|| {
+        let cpu = rmsnorm_ffi::handlers::bundles("cpu").expect("cpu bundles");
+        cpu.into_iter().copied().collect()
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """rmsnorm_ffi: stateful XLA FFI handler bundles written in Rust, for JAX.
 
 Importing the package registers nothing; the ops call :func:`register` on first use (it is
-idempotent and thread-safe), and :func:`stats` reports the live-state registry.
+idempotent and thread-safe), :func:`register_library` registers the bundles of a shared library
+built on this crate, and :func:`stats` reports the live-state registry (theirs included).
 """
 
 from rmsnorm_ffi._export import deserialize, export, export_checks
 from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
-from rmsnorm_ffi._registration import register, registered_platforms
+from rmsnorm_ffi._registration import register, register_library, registered_libraries, registered_platforms
 from rmsnorm_ffi._stats import stats
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "export",
     "export_checks",
     "register",
+    "register_library",
+    "registered_libraries",
     "registered_platforms",
     "rms_norm",
     "rms_norm_bwd",

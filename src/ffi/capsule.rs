@@ -28,8 +28,18 @@ pub fn state_type<'py>(
     py: Python<'py>,
     registration: &'static StateTypeRegistration,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    library_state_type(py, registration.type_id_ptr(), registration.type_info_ptr())
+}
+
+/// The capsule pair of a state type of a library table (`super::library`), whose pointers are
+/// to the library's `'static` type id cell and type info.
+pub fn library_state_type<'py>(
+    py: Python<'py>,
+    type_id: *mut sys::XLA_FFI_TypeId,
+    type_info: *const sys::XLA_FFI_TypeInfo,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     Ok((
-        capsule(py, registration.type_id_ptr().cast())?,
-        capsule(py, registration.type_info_ptr().cast_mut().cast())?,
+        capsule(py, type_id.cast())?,
+        capsule(py, type_info.cast_mut().cast())?,
     ))
 }

@@ -1,135 +1,302 @@
-//! Exporting a bundle from a crate of your own, as plain C data that Python reads with `ctypes`.
+//! A library's table: every bundle and state type of a shared library built on this crate, as
+//! plain C data behind one exported symbol.
 //!
-//! This extension hands its bundles to Python as PyCapsules (see [`super::capsule`]). A crate
-//! that builds its own shared library on top of this one has no Python module to do that, so it
-//! exports one `extern "C"` function per bundle, declared with [`crate::export_bundle!`], that
-//! returns a [`BundleExport`]: the target name, the stage handlers and the state type's id and
-//! info, as raw pointers. Python loads the library with `ctypes`, wraps each pointer with
-//! `jax.ffi.pycapsule`, and registers the type and then the target
-//! (`examples/counter_bundle/` is the complete example).
+//! A crate that builds its own `cdylib` on top of this one declares its bundles as usual and
+//! exports them all with one [`crate::export_library!`]; `rmsnorm_ffi.register_library(path)`
+//! loads the library, reads the table ([`super::library`]) and registers everything in it in
+//! XLA's order (`examples/counter_bundle/` is the complete example).
 //!
-//! Everything the pointers point to is `'static`: code, the type info, and the type id cell
-//! that XLA writes when the type is registered.
+//! The table starts with a [`LibraryHeader`] whose layout never changes: a magic number, the
+//! table's ABI version ([`LIBRARY_ABI_VERSION`]) and the version of this crate the library was
+//! built with. A reader checks the header before it reads anything else, so a library built
+//! against another version of this crate is refused with a message that says so, instead of
+//! being misread. Everything the table points to lives for the rest of the process: code, the
+//! type infos, the type id cells that XLA writes at type registration, and the strings, which
+//! the table owns.
 
-use std::ffi::{c_char, c_void, CString};
+use std::ffi::{c_char, CString};
 use std::ptr;
 
-use super::bundle::BundleDef;
+use super::bundle::{check_bundle, BundleDef};
+use super::host::{self, RegistryHooks};
+use super::platform;
+use super::sys;
+use super::types::StateTypeRegistration;
 
-/// A bundle and its state type, as C sees them. Pointers that do not apply are null: a stage
-/// the bundle does not have, or the state type of a stateless bundle.
-///
-/// The layout is part of the contract with the Python side (`ctypes.Structure` with these
-/// fields in this order, every field pointer-sized).
+/// The symbol a library exports its table under.
+pub const LIBRARY_SYMBOL: &str = "rmsnorm_ffi_library";
+/// The first bytes of every table.
+pub const LIBRARY_MAGIC: [u8; 8] = *b"RMSNFFI\0";
+/// The version of the table's layout and meaning (everything after the header, and
+/// [`RegistryHooks`]). A reader accepts only its own; bump it with any change to those.
+pub const LIBRARY_ABI_VERSION: u32 = 1;
+
+/// The stable start of a library table, the same in every version of this crate.
 #[repr(C)]
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
+pub struct LibraryHeader {
+    pub magic: [u8; 8],
+    pub abi_version: u32,
+    /// Size of the whole [`LibraryExport`] this header starts.
+    pub struct_size: u32,
+    /// The version of `rmsnorm_ffi` the library was built with, NUL-terminated.
+    pub crate_version: *const c_char,
+}
+
+/// One bundle: its target, platform, traits, stage handlers and state type.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
 pub struct BundleExport {
     /// The target name, NUL-terminated.
     pub target: *const c_char,
-    /// `XLA_FFI_Handler*` of each stage.
-    pub instantiate: *const c_void,
-    pub prepare: *const c_void,
-    pub initialize: *const c_void,
-    pub execute: *const c_void,
-    /// The state type's name in XLA's registry, NUL-terminated.
-    pub state_type_name: *const c_char,
-    /// `XLA_FFI_TypeId*`, which XLA fills in at type registration (the `"type_id"` capsule).
-    pub type_id: *mut c_void,
-    /// `XLA_FFI_TypeInfo*` with the deleter (the `"type_info"` capsule).
-    pub type_info: *const c_void,
+    /// The platform JAX registers it for ("cpu", "cuda"), NUL-terminated.
+    pub platform: *const c_char,
+    pub traits: sys::XLA_FFI_Handler_Traits,
+    /// The stage handlers; a stage the bundle does not have is null.
+    pub handlers: sys::XLA_FFI_Handler_Bundle,
+    /// Index of its state type in the table's state types, or -1 for a stateless bundle.
+    pub state_type: i64,
 }
 
-// SAFETY: every pointer is to immutable `'static` data or code, except `type_id`, which points
-// to an atomic cell (`TypeIdCell`) that XLA writes once; the struct itself is never mutated.
-unsafe impl Send for BundleExport {}
-// SAFETY: as above; shared references only read the pointers.
-unsafe impl Sync for BundleExport {}
-
-fn handler_ptr(handler: crate::ffi::sys::XLA_FFI_Handler) -> *const c_void {
-    handler as *const c_void
+/// One state type: what `jax.ffi.register_ffi_type` takes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct StateTypeExport {
+    /// The name in XLA's process-wide type registry, NUL-terminated.
+    pub name: *const c_char,
+    /// The id cell XLA fills in at type registration (the `"type_id"` capsule).
+    pub type_id: *mut sys::XLA_FFI_TypeId,
+    /// The type info with the deleter (the `"type_info"` capsule).
+    pub type_info: *const sys::XLA_FFI_TypeInfo,
 }
 
-/// A name as a NUL-terminated string that lives for the rest of the process (made once per
-/// export, so the leak is bounded by the number of exported bundles).
-fn leak_c_string(name: &str) -> *const c_char {
-    let owned = CString::new(name).expect("bundle and state type names contain no NUL byte");
-    Box::leak(owned.into_boxed_c_str()).as_ptr()
+/// The whole table.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct LibraryExport {
+    pub header: LibraryHeader,
+    /// Why the table is empty, NUL-terminated, or null: a library whose declarations are
+    /// inconsistent exports the reason instead of bundles.
+    pub error: *const c_char,
+    /// The XLA FFI API version the library's handlers report.
+    pub xla_api_major: i32,
+    pub xla_api_minor: i32,
+    pub bundles: *const BundleExport,
+    pub bundle_count: usize,
+    pub state_types: *const StateTypeExport,
+    pub state_type_count: usize,
+    /// Makes the library report its states into the caller's registry ([`super::host`]);
+    /// returns null on success, else a NUL-terminated reason that lives for the process.
+    pub attach_registry: unsafe extern "C" fn(hooks: *const RegistryHooks) -> *const c_char,
 }
 
-impl BundleExport {
-    /// The C view of `def`. Meant to be built once and kept in a `static` (which
-    /// [`crate::export_bundle!`] does).
-    pub fn new(def: &BundleDef) -> BundleExport {
-        let h = &def.handlers;
-        let stage = |handler: Option<crate::ffi::sys::XLA_FFI_Handler>| {
-            handler.map_or(ptr::null(), handler_ptr)
-        };
-        let state = (def.state)();
-        BundleExport {
-            target: leak_c_string(def.target),
-            instantiate: stage(h.instantiate),
-            prepare: stage(h.prepare),
-            initialize: stage(h.initialize),
-            execute: stage(h.execute),
-            state_type_name: state.map_or(ptr::null(), |s| leak_c_string(s.name())),
-            type_id: state.map_or(ptr::null_mut(), |s| s.type_id_ptr().cast()),
-            type_info: state.map_or(ptr::null(), |s| s.type_info_ptr().cast()),
+/// Why [`LibraryTable::new`] refused a list of bundles.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExportError {
+    #[error("{0}")]
+    Bundle(String),
+    #[error("the {what} `{name}` contains a NUL byte")]
+    Nul { what: &'static str, name: String },
+    #[error("target `{target}` is declared twice for platform `{platform}`")]
+    DuplicateTarget { target: String, platform: String },
+    #[error("two different state types are both called `{0}`")]
+    DuplicateStateType(String),
+    #[error("bundle `{target}` names platform `{platform}`, which this crate does not know")]
+    Platform { target: String, platform: String },
+}
+
+/// A [`LibraryExport`] with everything it points to. Build it once, keep it for the process
+/// (which [`crate::export_library!`] does).
+pub struct LibraryTable {
+    export: LibraryExport,
+    _bundles: Vec<BundleExport>,
+    _state_types: Vec<StateTypeExport>,
+    _strings: Vec<CString>,
+}
+
+// SAFETY: the table is never mutated after `new`; its pointers are to code, to `'static` type
+// infos and id cells (atomic, written by XLA once), and to the strings and vectors it owns,
+// whose heap buffers do not move.
+unsafe impl Send for LibraryTable {}
+// SAFETY: as above; shared references only read.
+unsafe impl Sync for LibraryTable {}
+
+fn c_string(
+    strings: &mut Vec<CString>,
+    what: &'static str,
+    name: &str,
+) -> Result<*const c_char, ExportError> {
+    let owned = CString::new(name).map_err(|_| ExportError::Nul {
+        what,
+        name: name.into(),
+    })?;
+    let pointer = owned.as_ptr();
+    strings.push(owned);
+    Ok(pointer)
+}
+
+impl LibraryTable {
+    /// The table of `defs`, checked: each stateful bundle has the stage that makes its state,
+    /// targets are unique per platform, state types unique by name, platforms known.
+    pub fn new(defs: &[BundleDef]) -> Result<LibraryTable, ExportError> {
+        let mut strings = Vec::new();
+        let crate_version = c_string(&mut strings, "version", env!("CARGO_PKG_VERSION"))?;
+        let mut types: Vec<&'static StateTypeRegistration> = Vec::new();
+        let mut bundles = Vec::with_capacity(defs.len());
+        for (i, def) in defs.iter().enumerate() {
+            check_bundle(def).map_err(ExportError::Bundle)?;
+            if !platform::NAMES.contains(&def.platform) {
+                return Err(ExportError::Platform {
+                    target: def.target.into(),
+                    platform: def.platform.into(),
+                });
+            }
+            if defs[..i]
+                .iter()
+                .any(|d| d.target == def.target && d.platform == def.platform)
+            {
+                return Err(ExportError::DuplicateTarget {
+                    target: def.target.into(),
+                    platform: def.platform.into(),
+                });
+            }
+            let state_type = match (def.state)() {
+                None => -1,
+                Some(registration) => {
+                    let index = match types.iter().position(|t| t.name() == registration.name()) {
+                        Some(index) if ptr::eq(types[index], registration) => index,
+                        Some(_) => {
+                            return Err(ExportError::DuplicateStateType(registration.name().into()))
+                        }
+                        None => {
+                            types.push(registration);
+                            types.len() - 1
+                        }
+                    };
+                    index as i64
+                }
+            };
+            bundles.push(BundleExport {
+                target: c_string(&mut strings, "target", def.target)?,
+                platform: c_string(&mut strings, "platform", def.platform)?,
+                traits: def.traits.0,
+                handlers: def.handlers,
+                state_type,
+            });
+        }
+        let state_types = types
+            .iter()
+            .map(|t| {
+                Ok(StateTypeExport {
+                    name: c_string(&mut strings, "state type", t.name())?,
+                    type_id: t.type_id_ptr(),
+                    type_info: t.type_info_ptr(),
+                })
+            })
+            .collect::<Result<Vec<_>, ExportError>>()?;
+        Ok(Self::assemble(
+            crate_version,
+            ptr::null(),
+            bundles,
+            state_types,
+            strings,
+        ))
+    }
+
+    /// A table without bundles that carries `error`, for a library whose declarations are
+    /// inconsistent: the reader reports it.
+    pub fn failed(error: &ExportError) -> LibraryTable {
+        let mut strings = Vec::new();
+        let message = error.to_string().replace('\0', "\\0");
+        let crate_version = c_string(&mut strings, "version", env!("CARGO_PKG_VERSION"))
+            .expect("the crate version has no NUL");
+        let error = c_string(&mut strings, "error", &message).expect("NULs were escaped");
+        Self::assemble(crate_version, error, Vec::new(), Vec::new(), strings)
+    }
+
+    fn assemble(
+        crate_version: *const c_char,
+        error: *const c_char,
+        bundles: Vec<BundleExport>,
+        state_types: Vec<StateTypeExport>,
+        strings: Vec<CString>,
+    ) -> LibraryTable {
+        LibraryTable {
+            export: LibraryExport {
+                header: LibraryHeader {
+                    magic: LIBRARY_MAGIC,
+                    abi_version: LIBRARY_ABI_VERSION,
+                    struct_size: std::mem::size_of::<LibraryExport>() as u32,
+                    crate_version,
+                },
+                error,
+                xla_api_major: sys::XLA_FFI_API_MAJOR,
+                xla_api_minor: sys::XLA_FFI_API_MINOR,
+                bundles: bundles.as_ptr(),
+                bundle_count: bundles.len(),
+                state_types: state_types.as_ptr(),
+                state_type_count: state_types.len(),
+                attach_registry,
+            },
+            _bundles: bundles,
+            _state_types: state_types,
+            _strings: strings,
+        }
+    }
+
+    /// The C table.
+    pub fn as_ptr(&self) -> *const LibraryExport {
+        &self.export
+    }
+}
+
+/// The `attach_registry` entry of every table this copy of the crate makes.
+unsafe extern "C" fn attach_registry(hooks: *const RegistryHooks) -> *const c_char {
+    // SAFETY: the reader passes its host's table, which lives for the process.
+    match unsafe { host::install(hooks) } {
+        Ok(()) => ptr::null(),
+        Err(host::HostError::Null) => c"the registry table is null".as_ptr(),
+        Err(host::HostError::TooSmall { .. }) => {
+            c"the registry table is smaller than this library's".as_ptr()
+        }
+        Err(host::HostError::OtherHost) => {
+            c"this library already reports into another registry".as_ptr()
         }
     }
 }
 
-/// Exports the bundle `$def` (a [`BundleDef`]) from a `cdylib` as the C function `$symbol`,
-/// which takes nothing and returns a pointer to its [`BundleExport`] (built on first call, then
-/// the same pointer every time).
+/// Exports every bundle of a `cdylib` as its library table (see [`LibraryTable`]), under the
+/// C symbol `rmsnorm_ffi_library`, which `rmsnorm_ffi.register_library(path)` reads.
 ///
 /// ```text
 /// pub const COUNTER: BundleDef = BundleDef::of::<Counter>().instantiate().execute().build();
-/// rmsnorm_ffi::export_bundle!(counter_bundle, COUNTER);
+/// pub const RESET: BundleDef = BundleDef::of::<Reset>().execute().build();
+/// rmsnorm_ffi::export_library!(COUNTER, RESET);
 /// ```
 ///
-/// ```text
-/// lib = ctypes.CDLL("libmy_bundles.so")
-/// lib.counter_bundle.restype = ctypes.POINTER(BundleExport)   # mirror of the struct
-/// ```
-///
-/// `#[no_mangle]` is what makes the symbol findable by name; it is the only reason the
-/// expansion is not plain safe Rust (two exports with the same symbol would clash at link time).
+/// It also defines `library_table()`, the same table as a Rust value. One per library: the
+/// symbol is the library's entry point. `#[no_mangle]` is what makes the symbol findable by
+/// name (and why the expansion is not plain safe Rust); it is left out of the crate's own test
+/// builds, so that a test binary may include the sources of several libraries.
 #[macro_export]
-macro_rules! export_bundle {
-    ($symbol:ident, $def:expr) => {
-        #[no_mangle]
-        pub extern "C" fn $symbol() -> *const $crate::ffi::export::BundleExport {
-            static EXPORT: ::std::sync::OnceLock<$crate::ffi::export::BundleExport> =
+macro_rules! export_library {
+    ($($def:expr),+ $(,)?) => {
+        /// This library's table of bundles and state types, built on first use.
+        pub fn library_table() -> &'static $crate::ffi::export::LibraryTable {
+            static TABLE: ::std::sync::OnceLock<$crate::ffi::export::LibraryTable> =
                 ::std::sync::OnceLock::new();
-            EXPORT.get_or_init(|| $crate::ffi::export::BundleExport::new(&$def))
+            TABLE.get_or_init(|| {
+                $crate::ffi::export::LibraryTable::new(&[$($def),+])
+                    .unwrap_or_else(|e| $crate::ffi::export::LibraryTable::failed(&e))
+            })
+        }
+
+        /// The library's entry point: its table (see `rmsnorm_ffi::ffi::export`).
+        #[cfg(not(test))]
+        #[allow(unsafe_code)]
+        #[no_mangle]
+        pub extern "C" fn rmsnorm_ffi_library() -> *const $crate::ffi::export::LibraryExport {
+            library_table().as_ptr()
         }
     };
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::handlers::scaled_copy;
-    use std::ffi::CStr;
-
-    #[test]
-    fn export_mirrors_the_bundle_def() {
-        let def = scaled_copy::BUNDLE;
-        let export = BundleExport::new(&def);
-        // SAFETY: `new` stores NUL-terminated strings that are never freed.
-        let target = unsafe { CStr::from_ptr(export.target) };
-        assert_eq!(target.to_str().unwrap(), scaled_copy::TARGET);
-        assert_eq!(
-            export.instantiate,
-            handler_ptr(def.handlers.instantiate.unwrap())
-        );
-        assert_eq!(export.execute, handler_ptr(def.handlers.execute.unwrap()));
-        assert!(export.prepare.is_null() && export.initialize.is_null());
-        let state = (def.state)().unwrap();
-        // SAFETY: as above.
-        let name = unsafe { CStr::from_ptr(export.state_type_name) };
-        assert_eq!(name.to_str().unwrap(), state.name());
-        assert_eq!(export.type_id, state.type_id_ptr().cast::<c_void>());
-        assert_eq!(export.type_info, state.type_info_ptr().cast::<c_void>());
-    }
 }

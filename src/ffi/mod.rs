@@ -13,7 +13,7 @@
 //! 1. [`sys`]: the C mirror.
 //! 2. leaves: [`error`], [`dtype`], [`stage`], [`platform`], then [`panic`] (panic catching;
 //!    it needs only the error type).
-//! 3. [`api`]: the checked function table.
+//! 3. [`api`] (the checked function table) and [`host`] (the registry a library reports into).
 //! 4. [`buffer`], then [`attrs`] (attributes share the list check of buffers).
 //! 5. [`types`]: state types, their ids and deleters.
 //! 6. [`context`]: state, stream, device, thread pool, device memory.
@@ -21,7 +21,8 @@
 //! 8. [`metadata`]: the registration-time answer, and what a handler declares about itself.
 //! 9. [`trampoline`]: the handler entry every `extern "C"` handler goes through.
 //! 10. [`bundle`]: stage traits, the generic entries, bundle declarations.
-//! 11. [`export`] (a bundle as C data), then `capsule` (PyCapsules, feature `python`).
+//! 11. [`export`] (a library's table of bundles and state types), then [`library`] (loading and
+//!     checking another library's table), then `capsule` (PyCapsules, feature `python`).
 //!
 //! `fake` (tests only) may use any of them.
 #![allow(unsafe_code)]
@@ -39,6 +40,8 @@ pub mod export;
 #[cfg(any(test, feature = "fake-runtime"))]
 pub mod fake;
 pub mod frame;
+pub mod host;
+pub mod library;
 pub mod metadata;
 pub mod panic;
 pub mod parallel;

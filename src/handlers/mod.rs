@@ -1,4 +1,4 @@
-//! Handlers: the bundles this extension registers, per platform.
+//! Handlers: the bundles this extension registers, for every platform.
 
 pub mod contract;
 pub mod cpu;
@@ -11,31 +11,44 @@ pub mod testing;
 
 pub use error::HandlerError;
 
-use crate::ffi::bundle::check_bundle;
-use crate::ffi::{BundleDef, StateTypeRegistration};
+use once_cell::sync::Lazy;
 
-const CPU_BUNDLES: &[BundleDef] = &[
+use crate::ffi::bundle::check_bundle;
+use crate::ffi::export::LibraryTable;
+use crate::ffi::{platform, BundleDef, StateTypeRegistration};
+
+/// Every bundle of the extension, each registered for the platform it names: the RMS norm on
+/// the CPU and (where JAX has a CUDA backend) on NVIDIA GPUs.
+pub const BUNDLES: &[BundleDef] = &[
     cpu::FORWARD_BUNDLE,
     cpu::BACKWARD_BUNDLE,
     scaled_copy::BUNDLE,
     testing::STAGES_BUNDLE,
     testing::CONTEXT_BUNDLE,
     testing::ATTRS_BUNDLE,
+    gpu::FORWARD_BUNDLE,
+    gpu::BACKWARD_BUNDLE,
 ];
 
-/// The RMS norm on NVIDIA GPUs (registered only where JAX has a CUDA backend).
-const CUDA_BUNDLES: &[BundleDef] = &[gpu::FORWARD_BUNDLE, gpu::BACKWARD_BUNDLE];
-
 /// The platforms this build registers bundles for.
-pub const PLATFORMS: &[&str] = &["cpu", "cuda"];
+pub const PLATFORMS: &[&str] = &platform::NAMES;
+
+/// The extension's own table, in the format a library exports (`ffi::export`): registration
+/// reads the extension and the libraries built on it the same way.
+pub static TABLE: Lazy<LibraryTable> = Lazy::new(|| {
+    LibraryTable::new(BUNDLES).unwrap_or_else(|e| panic!("the extension's bundles: {e}"))
+});
 
 /// The bundles to register for `platform` (as JAX names it: "cpu", "cuda").
-pub fn bundles(platform: &str) -> Result<&'static [BundleDef], HandlerError> {
-    match platform.to_ascii_lowercase().as_str() {
-        "cpu" | "host" => Ok(CPU_BUNDLES),
-        "cuda" => Ok(CUDA_BUNDLES),
-        _ => Err(HandlerError::Platform(platform.to_string())),
+pub fn bundles(platform: &str) -> Result<Vec<&'static BundleDef>, HandlerError> {
+    let platform = match platform.to_ascii_lowercase().as_str() {
+        "host" => "cpu".to_string(),
+        other => other.to_string(),
+    };
+    if !PLATFORMS.contains(&platform.as_str()) {
+        return Err(HandlerError::Platform(platform));
     }
+    Ok(BUNDLES.iter().filter(|d| d.platform == platform).collect())
 }
 
 /// The state types the bundles of `platform` use, each once, in registration order.
@@ -53,10 +66,8 @@ pub fn state_types(platform: &str) -> Result<Vec<&'static StateTypeRegistration>
 
 /// Checks every bundle of every platform (a stateful bundle must make its state).
 pub fn check_all() -> Result<(), String> {
-    for platform in PLATFORMS {
-        for def in bundles(platform).map_err(|e| e.to_string())? {
-            check_bundle(def)?;
-        }
+    for def in BUNDLES {
+        check_bundle(def)?;
     }
     Ok(())
 }

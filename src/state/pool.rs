@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crossbeam::queue::ArrayQueue;
 
-use super::registry::REGISTRY;
+use super::registry::workspace_changed;
 
 /// How many idle buffers a pool keeps by default; more are freed when returned.
 pub const DEFAULT_POOL_CAPACITY: usize = 256;
@@ -53,20 +53,13 @@ impl<T: Copy + Default + Send> WorkspacePool<T> {
     fn allocate(&self) -> Box<[T]> {
         self.allocations.fetch_add(1, Ordering::Relaxed);
         self.held.fetch_add(1, Ordering::Relaxed);
-        REGISTRY
-            .workspace_allocations
-            .fetch_add(1, Ordering::Relaxed);
-        REGISTRY
-            .workspace_bytes
-            .fetch_add(self.bytes(), Ordering::Relaxed);
+        workspace_changed(self.bytes(), 1);
         vec![T::default(); self.len].into_boxed_slice()
     }
 
     fn free(&self, buffer: Box<[T]>) {
         self.held.fetch_sub(1, Ordering::Relaxed);
-        REGISTRY
-            .workspace_bytes
-            .fetch_sub(self.bytes(), Ordering::Relaxed);
+        workspace_changed(-self.bytes(), 0);
         drop(buffer);
     }
 

@@ -4,6 +4,13 @@
 //! state (with an id, its target and type), dropping it (when XLA runs the state's deleter)
 //! removes it. The totals and per-target execution counts are atomics, so recording an
 //! execution on the hot path is two relaxed increments and no allocation or lock.
+//!
+//! One registry per process, whatever the number of libraries: the copy of this crate in the
+//! Python extension is the host, and a library registered with `rmsnorm_ffi.register_library`
+//! gets the host's [`HOOKS`] and reports into it ([`crate::ffi::host`]). Its [`LiveState`]s are
+//! then entries of the host's registry (a hosted state records an execution with one call into
+//! the host), and its workspace pools count in the host's totals. Only a copy that no host
+//! adopted keeps its own figures.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -11,6 +18,8 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use once_cell::sync::Lazy;
+
+use crate::ffi::host::{self, HostedState, RegistryHooks, RegistryHost};
 
 /// What the registry keeps about one live state.
 #[derive(Debug)]
@@ -28,6 +37,9 @@ impl StateRecord {
 }
 
 pub(crate) struct Registry {
+    /// Names of states reported by libraries, copied once each (a library's strings are its
+    /// own), so that records can keep `&'static str`s.
+    names: DashMap<String, &'static str>,
     states: DashMap<u64, Arc<StateRecord>>,
     next_id: AtomicU64,
     created: AtomicU64,
@@ -40,6 +52,7 @@ pub(crate) struct Registry {
 }
 
 pub(crate) static REGISTRY: Lazy<Registry> = Lazy::new(|| Registry {
+    names: DashMap::new(),
     states: DashMap::new(),
     next_id: AtomicU64::new(1),
     created: AtomicU64::new(0),
@@ -56,18 +69,68 @@ impl Registry {
             .entry(target)
             .or_insert_with(|| Box::leak(Box::new(AtomicU64::new(0))))
     }
+
+    /// `name` as a `&'static str`, copied on first use (bounded by the distinct names).
+    fn intern(&self, name: &str) -> &'static str {
+        if let Some(interned) = self.names.get(name) {
+            return *interned;
+        }
+        *self
+            .names
+            .entry(name.to_string())
+            .or_insert_with(|| Box::leak(name.to_string().into_boxed_str()))
+    }
+}
+
+/// Adds to the workspace totals: in the host's registry if this copy reports into one.
+pub(crate) fn workspace_changed(bytes: i64, allocations: u64) {
+    if !host::report_workspace(bytes, allocations) {
+        REGISTRY.workspace_bytes.fetch_add(bytes, Ordering::Relaxed);
+        REGISTRY
+            .workspace_allocations
+            .fetch_add(allocations, Ordering::Relaxed);
+    }
 }
 
 /// The registry entry of one state; keep it in the state, it deregisters on drop.
-#[derive(Debug)]
 pub struct LiveState {
-    record: Arc<StateRecord>,
-    target_executions: &'static AtomicU64,
+    entry: Entry,
+}
+
+enum Entry {
+    /// In this copy's registry.
+    Local {
+        record: Arc<StateRecord>,
+        target_executions: &'static AtomicU64,
+    },
+    /// In the registry of the host this copy reports into.
+    Hosted(HostedState),
+}
+
+impl std::fmt::Debug for LiveState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hosted = matches!(self.entry, Entry::Hosted(_));
+        f.debug_struct("LiveState")
+            .field("id", &self.id())
+            .field("hosted", &hosted)
+            .finish()
+    }
 }
 
 impl LiveState {
-    /// Registers a new state of `type_name` made for `target`.
+    /// Registers a new state of `type_name` made for `target`, in the host's registry if this
+    /// copy of the crate reports into one.
     pub fn register(target: &'static str, type_name: &'static str) -> LiveState {
+        match HostedState::register(target, type_name) {
+            Some(hosted) => LiveState {
+                entry: Entry::Hosted(hosted),
+            },
+            None => LiveState::register_local(target, type_name),
+        }
+    }
+
+    /// Registers a state in this copy's own registry.
+    fn register_local(target: &'static str, type_name: &'static str) -> LiveState {
         let registry = &*REGISTRY;
         let id = registry.next_id.fetch_add(1, Ordering::Relaxed);
         let record = Arc::new(StateRecord {
@@ -80,33 +143,75 @@ impl LiveState {
         registry.states.insert(id, Arc::clone(&record));
         registry.created.fetch_add(1, Ordering::Relaxed);
         LiveState {
-            record,
-            target_executions,
+            entry: Entry::Local {
+                record,
+                target_executions,
+            },
         }
     }
 
+    /// The state's id in the registry that holds it.
     pub fn id(&self) -> u64 {
-        self.record.id
+        match &self.entry {
+            Entry::Local { record, .. } => record.id,
+            Entry::Hosted(hosted) => hosted.id(),
+        }
     }
 
-    pub fn executions(&self) -> u64 {
-        self.record.executions()
-    }
-
-    /// Counts one execution of this state (and of its target). No allocation, no lock.
+    /// Counts one execution of this state (and of its target). No allocation, no lock; one
+    /// call into the host for a hosted state.
     pub fn record_execution(&self) {
-        self.record.executions.fetch_add(1, Ordering::Relaxed);
-        self.target_executions.fetch_add(1, Ordering::Relaxed);
+        match &self.entry {
+            Entry::Local {
+                record,
+                target_executions,
+            } => {
+                record.executions.fetch_add(1, Ordering::Relaxed);
+                target_executions.fetch_add(1, Ordering::Relaxed);
+            }
+            Entry::Hosted(hosted) => hosted.record_execution(),
+        }
     }
 }
 
 impl Drop for LiveState {
     fn drop(&mut self) {
-        let registry = &*REGISTRY;
-        registry.states.remove(&self.record.id);
-        registry.destroyed.fetch_add(1, Ordering::Relaxed);
+        if let Entry::Local { record, .. } = &self.entry {
+            let registry = &*REGISTRY;
+            registry.states.remove(&record.id);
+            registry.destroyed.fetch_add(1, Ordering::Relaxed);
+        }
+        // A hosted state deregisters when its `HostedState` drops.
     }
 }
+
+/// This registry as a host for libraries: their states become local states here.
+pub struct HostRegistry;
+
+impl RegistryHost for HostRegistry {
+    type Handle = LiveState;
+
+    fn state_created(target: &str, type_name: &str) -> (LiveState, u64) {
+        let registry = &*REGISTRY;
+        let live = LiveState::register_local(registry.intern(target), registry.intern(type_name));
+        let id = live.id();
+        (live, id)
+    }
+
+    fn state_executed(handle: &LiveState) {
+        handle.record_execution();
+    }
+
+    fn workspace_changed(bytes: i64, allocations: u64) {
+        REGISTRY.workspace_bytes.fetch_add(bytes, Ordering::Relaxed);
+        REGISTRY
+            .workspace_allocations
+            .fetch_add(allocations, Ordering::Relaxed);
+    }
+}
+
+/// The table this registry hands a library, so that the library reports here.
+pub static HOOKS: RegistryHooks = RegistryHooks::of::<HostRegistry>();
 
 /// One live state in a [`Snapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,5 +1,8 @@
+import functools
 import gc
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -7,6 +10,28 @@ import jax
 import pytest
 
 import rmsnorm_ffi
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BUNDLES_DIR = REPO / "target" / "bundles"
+
+
+@functools.cache
+def bundle_library(package: str) -> pathlib.Path:
+    """The shared library of the workspace's bundle crate `package` (`make bundles` builds them
+    all into target/bundles/), built here first if cargo is available (a no-op when up to
+    date), so that running pytest alone works too."""
+    if shutil.which("cargo"):
+        build = subprocess.run(
+            ["cargo", "build", "--profile", "bundles", "--quiet", "-p", package],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert build.returncode == 0, build.stderr
+    path = BUNDLES_DIR / f"lib{package}.so"
+    assert path.exists(), f"{path} is missing: run `make bundles`"
+    return path
 
 
 @pytest.fixture

@@ -1,26 +1,31 @@
-//! A second, small stateful bundle written with `rmsnorm_ffi`'s FFI layer: a per-call-site
-//! counter.
+//! A stateful bundle in a crate of its own, written with `rmsnorm_ffi`'s FFI layer: a
+//! per-call-site counter.
 //!
 //! `counter()` returns, as an int64 scalar, `start + step * k` where `k` is how many times this
 //! call site ran before. The instantiate stage runs once per call site per executable and builds
 //! the state: the attributes (validated once) and an atomic count. The execute stage runs on
 //! every call, possibly on several threads at once with the same state (XLA takes no lock), so
 //! the count is an atomic, not a `Cell`. The state lives until XLA destroys the executable and
-//! calls the deleter, which drops it; `Drop` keeps the live/created totals that the test reads.
+//! calls the deleter, which drops it.
 //!
-//! The library exports plain C symbols: `counter_bundle` (the bundle: stage handlers, state
-//! type id and info, see `rmsnorm_ffi::ffi::export`) and two statistics functions. Python loads
-//! it with ctypes (`counter.py` next to this crate).
+//! The library exports one C symbol, its table of bundles and state types
+//! (`rmsnorm_ffi::export_library!`); `rmsnorm_ffi.register_library(path)` reads it and
+//! registers everything in it (`counter.py` next to this crate). The state's `LiveState`
+//! reports into the registry of the `rmsnorm_ffi` extension that registered the library, so
+//! `rmsnorm_ffi.stats()` counts these states and executions too.
 #![deny(unsafe_code)]
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use rmsnorm_ffi::ffi::{
-    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Instantiate, ResultBuffer,
+    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, Instantiate, ResultBuffer,
 };
+use rmsnorm_ffi::state::LiveState;
 
-/// The custom-call target name.
+/// The custom-call target name (namespaced: target names are process-wide).
 pub const TARGET: &str = "counter_bundle_counter";
+/// The state type's name in XLA's process-wide registry (namespaced likewise).
+pub const STATE_TYPE: &str = "counter_bundle.CounterState";
 
 rmsnorm_ffi::ffi_attrs! {
     /// The attributes of `counter`, seen by every stage.
@@ -32,44 +37,23 @@ rmsnorm_ffi::ffi_attrs! {
     }
 }
 
-/// Totals over the process, for the statistics functions (the state registry of `rmsnorm_ffi`
-/// lives in the extension's own copy of the crate, so this library keeps its own).
-static CREATED: AtomicI64 = AtomicI64::new(0);
-static LIVE: AtomicI64 = AtomicI64::new(0);
-
 /// Per-call-site state, built by the instantiate stage.
 pub struct CounterState {
+    /// Its entry in the live-state registry (removed when XLA drops the state).
+    live: LiveState,
     start: i64,
     step: i64,
     /// Executions so far. Atomic: concurrent executions share the state.
     calls: AtomicI64,
 }
-rmsnorm_ffi::state_type!(CounterState, "counter_bundle.CounterState");
-
-impl CounterState {
-    fn new(start: i64, step: i64) -> CounterState {
-        CREATED.fetch_add(1, Ordering::Relaxed);
-        LIVE.fetch_add(1, Ordering::Relaxed);
-        CounterState {
-            start,
-            step,
-            calls: AtomicI64::new(0),
-        }
-    }
-}
-
-impl Drop for CounterState {
-    /// Runs when XLA calls the state's deleter (the executable is gone).
-    fn drop(&mut self) {
-        LIVE.fetch_sub(1, Ordering::Relaxed);
-    }
-}
+rmsnorm_ffi::state_type!(CounterState, STATE_TYPE);
 
 /// The bundle type.
 pub struct Counter;
 
 impl Bundle for Counter {
     const TARGET: &'static str = TARGET;
+    /// XLA:CPU: its result is host memory, which execute writes through a slice.
     type Platform = Host;
     type State = CounterState;
 }
@@ -84,7 +68,12 @@ impl Instantiate for Counter {
                 "counter: attribute `step` must be non-zero",
             ));
         }
-        Ok(CounterState::new(attrs.start, attrs.step))
+        Ok(CounterState {
+            live: LiveState::register(TARGET, STATE_TYPE),
+            start: attrs.start,
+            step: attrs.step,
+            calls: AtomicI64::new(0),
+        })
     }
 }
 
@@ -108,6 +97,7 @@ impl Execute for Counter {
                 out.dims
             )));
         };
+        state.live.record_execution();
         let k = state.calls.fetch_add(1, Ordering::Relaxed);
         *value = state.start.wrapping_add(state.step.wrapping_mul(k));
         Ok(())
@@ -117,22 +107,5 @@ impl Execute for Counter {
 /// The declaration: the stages `Counter` implements.
 pub const COUNTER: BundleDef = BundleDef::of::<Counter>().instantiate().execute().build();
 
-rmsnorm_ffi::export_bundle!(counter_bundle, COUNTER);
-
-// The two statistics functions are looked up by name from Python, hence `#[no_mangle]`, which
-// the `unsafe_code` lint flags (duplicate symbol names would clash at link time); they contain
-// no unsafe code.
-
-/// States made so far (one per call site per compiled executable).
-#[allow(unsafe_code)]
-#[no_mangle]
-pub extern "C" fn counter_bundle_created_states() -> i64 {
-    CREATED.load(Ordering::Relaxed)
-}
-
-/// States alive now (made and not yet freed by XLA's deleter).
-#[allow(unsafe_code)]
-#[no_mangle]
-pub extern "C" fn counter_bundle_live_states() -> i64 {
-    LIVE.load(Ordering::Relaxed)
-}
+// The library's one exported symbol: its table (here of one bundle; list them all).
+rmsnorm_ffi::export_library!(COUNTER);
