@@ -48,16 +48,18 @@ develop: $(DEPS)
 demo: develop
 	$(PY) examples/train.py
 
-# The scaled_copy bundle end to end: states per call site, threads, no allocation after warm-up.
-stateful-demo: develop
-	$(PY) examples/stateful_demo.py
+# The scaled_copy example library end to end: states per call site, threads, no allocation after
+# warm-up.
+stateful-demo: develop bundles
+	$(PY) examples/scaled_copy/demo.py
 
 # The shared libraries built on the crate that this repo ships, workspace members registered with
-# rmsnorm_ffi.register_library: the example of a bundle in a crate of its own. Built in the
+# rmsnorm_ffi.register_library: the two examples of bundles in crates of their own and the test
+# fixtures (tests/fixtures/testing_bundles, which no user process registers). Built in the
 # `bundles` profile, so they land in target/bundles/: building them also builds this crate's
 # cdylib without the `python` feature, which in target/release would replace the extension that
 # `maturin develop` copies from there.
-BUNDLE_PACKAGES := counter_bundle
+BUNDLE_PACKAGES := counter_bundle scaled_copy rmsnorm_ffi_testing
 bundles:
 	cargo build --profile bundles --quiet $(addprefix -p ,$(BUNDLE_PACKAGES))
 
@@ -82,19 +84,21 @@ python-test: develop bundles
 	$(PY) -m pytest -q tests/python
 
 # The tests that ask the newest jax something the oldest could answer differently, run in
-# .venv-new/ (about 80 s): the op and its Flax modules, registration, errors and the bad-input
-# matrix (the FFI runtime is API 0.5 there), the stage and state contract, threads, devices, and
-# every file on sharding, AD, export or distributed running, present and future (the globs).
+# .venv-new/ (about 90 s): the op, its contract and its Flax modules, registration of the
+# extension and of libraries built on the crate (the FFI runtime is API 0.5 there, our handlers
+# report 0.3), errors and the bad-input matrix, the stage and state contract, threads, devices,
+# and every file on sharding, AD, export or distributed running, present and future (the globs).
 # Left to .venv/ alone: the README, demo, bench and stress tests (minutes, and about our scripts
-# rather than jax) and the counter_bundle example (a cargo build of its own). The extension is the
-# abi3 wheel built with .venv's interpreter: `maturin develop` for a 3.12 venv would rebuild pyo3
-# and the crate (about 25 s, and again for .venv after it); this way cargo has nothing to do.
+# rather than jax). The extension is the abi3 wheel built with .venv's interpreter: `maturin
+# develop` for a 3.12 venv would rebuild pyo3 and the crate (about 25 s, and again for .venv after
+# it); this way cargo has nothing to do. The bundle libraries need no Python: the same files.
 NEW_STACK_TESTS = $(sort $(wildcard $(addprefix tests/python/, test_rmsnorm.py test_flax.py \
-	test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py test_attributes.py \
+	test_contract.py test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py \
+	test_register_library.py test_example_bundle.py test_attributes.py \
 	test_stages_and_context.py test_stateful.py test_concurrency.py test_batching.py test_*sharding*.py test_ad*.py \
 	test_*_ad.py test_*_ad_*.py test_*export*.py test_*distributed*.py)))
 
-python-test-new: $(DEPS) $(DEPS_NEW)
+python-test-new: $(DEPS) $(DEPS_NEW) bundles
 	rm -rf $(WHEEL_NEW)
 	$(VENV)/bin/maturin build --release --quiet --interpreter $(PY) --out $(WHEEL_NEW)
 	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_NEW)/*.whl

@@ -1,7 +1,8 @@
 //! Fuzzed call frames through the fake runtime: random stages, operand counts and types,
 //! dtypes, ranks, dims, attribute kinds and names, struct sizes and pointers, fed to every CPU
 //! bundle's stages in the order XLA would call them (instantiate, then executions that reuse
-//! the state).
+//! the state): the extension's, and those of the libraries this repo builds on the crate (the two
+//! examples and the test fixtures), whose sources are compiled in here.
 //!
 //! Errors are the expected outcome for most frames. What must never happen: a crash, a panic
 //! escaping the trampoline (that aborts the test process: `extern "C"` entries cannot unwind),
@@ -18,6 +19,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
+#[allow(dead_code)]
+#[path = "../examples/counter_bundle/src/lib.rs"]
+mod counter;
+#[allow(dead_code)]
+#[path = "../examples/scaled_copy/src/lib.rs"]
+mod scaled_copy;
+#[allow(dead_code)]
+#[path = "fixtures/testing_bundles/src/lib.rs"]
+mod testing;
+
 use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
 use rmsnorm_ffi::ffi::sys::{XLA_FFI_DataType, XLA_FFI_ExecutionStage};
 use rmsnorm_ffi::ffi::{BundleDef, DataType, Stage};
@@ -31,12 +42,20 @@ fn cases() -> u32 {
         .unwrap_or(3000)
 }
 
-/// Every host bundle of the extension.
+/// Every host bundle: the extension's, the examples' and the test fixtures'.
 fn bundles() -> &'static [BundleDef] {
     static BUNDLES: std::sync::OnceLock<Vec<BundleDef>> = std::sync::OnceLock::new();
     BUNDLES.get_or_init(|| {
         let cpu = rmsnorm_ffi::handlers::bundles("cpu").expect("cpu bundles");
-        cpu.into_iter().copied().collect()
+        let mut all: Vec<BundleDef> = cpu.into_iter().copied().collect();
+        all.extend([
+            counter::COUNTER,
+            scaled_copy::BUNDLE,
+            testing::STAGES_BUNDLE,
+            testing::CONTEXT_BUNDLE,
+            testing::ATTRS_BUNDLE,
+        ]);
+        all
     })
 }
 
@@ -217,11 +236,19 @@ fn honest_attrs(target: &str) -> BoxedStrategy<Vec<(String, OwnedAttr)>> {
         "rmsnorm_bwd" => (flag, row_len)
             .prop_map(|(w, n)| vec![("has_weight".into(), w), ("row_len".into(), n)])
             .boxed(),
-        "rmsnorm_ffi_scaled_copy" => (
+        "scaled_copy" => (
             prop::sample::select(vec![1.5f32, 0.0, f32::NAN]).prop_map(OwnedAttr::scalar),
             row_len,
         )
             .prop_map(|(s, n)| vec![("scale".into(), s), ("row_len".into(), n)])
+            .boxed(),
+        "counter_bundle_counter" => (any::<i64>(), prop::sample::select(vec![1i64, -3, 0]))
+            .prop_map(|(start, step)| {
+                vec![
+                    ("start".into(), OwnedAttr::scalar(start)),
+                    ("step".into(), OwnedAttr::scalar(step)),
+                ]
+            })
             .boxed(),
         "rmsnorm_ffi_testing_stages" => Just(vec![
             ("panic_in".into(), OwnedAttr::string("none")),

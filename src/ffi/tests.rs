@@ -95,6 +95,76 @@ impl Execute for Probe {
 }
 const PROBE: BundleDef = BundleDef::of::<Probe>().execute().build();
 
+// ---------------------------------------------------------------------------------------------
+// A stateful bundle: a scaled copy of float32 rows with a table cached at instantiation
+// ---------------------------------------------------------------------------------------------
+
+crate::ffi_attrs! {
+    struct ScaleAttrs {
+        scale: f32,
+        row_len: i64,
+    }
+}
+
+struct ScaleState {
+    live: crate::state::LiveState,
+    table: Vec<f32>,
+}
+crate::state_type!(ScaleState, "rmsnorm_ffi.tests.ScaleState");
+
+struct Scale;
+impl Bundle for Scale {
+    const TARGET: &'static str = "tests_scale";
+    type Platform = Host;
+    type State = ScaleState;
+}
+impl Instantiate for Scale {
+    type Attrs<'a> = ScaleAttrs;
+    fn instantiate(_: &Context<'_>, a: ScaleAttrs) -> FfiResult<ScaleState> {
+        if !a.scale.is_finite() {
+            return Err(FfiError::invalid_argument(format!(
+                "invalid attribute `scale`: must be finite, got {}",
+                a.scale
+            )));
+        }
+        if !(1..=1 << 20).contains(&a.row_len) {
+            return Err(FfiError::invalid_argument("invalid attribute `row_len`"));
+        }
+        Ok(ScaleState {
+            live: crate::state::LiveState::register("tests_scale", "rmsnorm_ffi.tests.ScaleState"),
+            table: (0..a.row_len).map(|j| a.scale / (j as f32 + 1.0)).collect(),
+        })
+    }
+}
+impl Execute for Scale {
+    type Args<'a> = (Buffer<'a, f32>,);
+    type Rets<'a> = (ResultBuffer<'a, f32>,);
+    type Attrs<'a> = ();
+    fn execute(
+        state: &ScaleState,
+        _: &Context<'_>,
+        (x,): (Buffer<'_, f32>,),
+        (y,): (ResultBuffer<'_, f32>,),
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        let n = state.table.len();
+        if x.dims.last() != Some(&(n as i64)) {
+            return Err(FfiError::invalid_argument(format!(
+                "last axis is {:?} but the call site was instantiated for row_len={n}",
+                x.dims.last()
+            )));
+        }
+        for (yr, xr) in y.data.chunks_mut(n).zip(x.data.chunks(n)) {
+            for ((o, i), t) in yr.iter_mut().zip(xr).zip(&state.table) {
+                *o = i * t;
+            }
+        }
+        Ok(())
+    }
+}
+const SCALE: BundleDef = BundleDef::of::<Scale>().instantiate().execute().build();
+
 fn probe_attrs(b: FrameBuilder) -> FrameBuilder {
     b.attr("b", OwnedAttr::pred(true))
         .attr("i8v", OwnedAttr::scalar(-8i8))
@@ -373,7 +443,7 @@ fn malformed_aliasing_is_refused() {
 struct Impostor;
 impl StateType for Impostor {
     fn registration() -> &'static StateTypeRegistration {
-        crate::handlers::scaled_copy::ScaledCopyState::registration()
+        ScaleState::registration()
     }
 }
 
@@ -385,9 +455,7 @@ fn a_registration_is_checked_against_its_rust_type() {
         err.to_string().contains("registered for another Rust type"),
         "{err}"
     );
-    registration
-        .check_type::<crate::handlers::scaled_copy::ScaledCopyState>()
-        .unwrap();
+    registration.check_type::<ScaleState>().unwrap();
 }
 
 #[test]
@@ -457,15 +525,13 @@ fn old_api_table_reports_missing_functions() {
     // A table that ends before XLA_FFI_State_Get.
     let size = std::mem::offset_of!(sys::XLA_FFI_Api, XLA_FFI_State_Get);
     let ctx = FakeContext::new();
-    fake::register_type(crate::handlers::scaled_copy::ScaledCopyState::registration()).unwrap();
+    fake::register_type(ScaleState::registration()).unwrap();
     let mut frame = FrameBuilder::new(Stage::Execute)
         .api(fake::api_with_size(size))
         .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
         .ret(OwnedBuffer::zeros(DataType::F32, &[1]))
         .build(&ctx);
-    let (code, message) = frame
-        .call(execute(&crate::handlers::scaled_copy::BUNDLE))
-        .unwrap_err();
+    let (code, message) = frame.call(execute(&SCALE)).unwrap_err();
     assert_eq!(code, ErrorCode::Unimplemented);
     assert!(message.contains("has no XLA_FFI_State_Get"), "{message}");
 }
@@ -556,16 +622,15 @@ fn metadata_of_unregistered_state_type_is_refused() {
 
 #[test]
 fn metadata_names_the_registered_state_type() {
-    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration()).unwrap();
+    fake::register_type(ScaleState::registration()).unwrap();
     let ctx = FakeContext::new();
     let mut frame = FrameBuilder::metadata().build(&ctx);
     frame
-        .call(BUNDLE.handler(Stage::Instantiate).unwrap())
+        .call(SCALE.handler(Stage::Instantiate).unwrap())
         .unwrap();
     let id = frame.metadata().unwrap().state_type_id.type_id;
     assert!(id > 0);
-    assert_eq!(id, ScaledCopyState::registration().type_id());
+    assert_eq!(id, ScaleState::registration().type_id());
 }
 
 #[test]
@@ -591,7 +656,7 @@ fn malformed_metadata_is_refused() {
 // Stateful bundles, panics, context
 // ---------------------------------------------------------------------------------------------
 
-fn scaled_copy_frame(stage: Stage, x: &[f32], dims: &[i64], row_len: i64) -> FrameBuilder {
+fn scale_frame(stage: Stage, x: &[f32], dims: &[i64], row_len: i64) -> FrameBuilder {
     let b = FrameBuilder::new(stage)
         .attr("scale", OwnedAttr::scalar(2.0f32))
         .attr("row_len", OwnedAttr::scalar(row_len));
@@ -605,19 +670,17 @@ fn scaled_copy_frame(stage: Stage, x: &[f32], dims: &[i64], row_len: i64) -> Fra
 
 #[test]
 fn stateful_bundle_lives_from_instantiate_to_deleter() {
-    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration()).unwrap();
+    fake::register_type(ScaleState::registration()).unwrap();
     let ctx = FakeContext::new();
-    let mut inst = scaled_copy_frame(Stage::Instantiate, &[], &[], 3).build(&ctx);
-    inst.call(BUNDLE.handler(Stage::Instantiate).unwrap())
+    let mut inst = scale_frame(Stage::Instantiate, &[], &[], 3).build(&ctx);
+    inst.call(SCALE.handler(Stage::Instantiate).unwrap())
         .unwrap();
     assert_eq!(ctx.state_count(), 1);
-    let state_id = ctx.state::<ScaledCopyState>().unwrap().live.id();
+    let state_id = ctx.state::<ScaleState>().unwrap().live.id();
     for _ in 0..3 {
         let mut exec =
-            scaled_copy_frame(Stage::Execute, &[1.0, 1.0, 3.0, 2.0, 2.0, 6.0], &[2, 3], 3)
-                .build(&ctx);
-        exec.call(execute(&BUNDLE)).unwrap();
+            scale_frame(Stage::Execute, &[1.0, 1.0, 3.0, 2.0, 2.0, 6.0], &[2, 3], 3).build(&ctx);
+        exec.call(execute(&SCALE)).unwrap();
         assert_eq!(
             exec.result(0).values::<f32>(),
             vec![2.0, 1.0, 2.0, 4.0, 2.0, 4.0]
@@ -633,8 +696,8 @@ fn stateful_bundle_lives_from_instantiate_to_deleter() {
         3
     );
     // A row length other than the one instantiated for is refused.
-    let mut exec = scaled_copy_frame(Stage::Execute, &[1.0; 4], &[4], 3).build(&ctx);
-    let (_, message) = exec.call(execute(&BUNDLE)).unwrap_err();
+    let mut exec = scale_frame(Stage::Execute, &[1.0; 4], &[4], 3).build(&ctx);
+    let (_, message) = exec.call(execute(&SCALE)).unwrap_err();
     assert!(message.contains("instantiated for row_len=3"), "{message}");
     drop(ctx);
     let snap = crate::state::snapshot();
@@ -646,15 +709,14 @@ fn stateful_bundle_lives_from_instantiate_to_deleter() {
 
 #[test]
 fn instantiate_validates_attributes() {
-    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration()).unwrap();
+    fake::register_type(ScaleState::registration()).unwrap();
     let ctx = FakeContext::new();
     let mut inst = FrameBuilder::new(Stage::Instantiate)
         .attr("scale", OwnedAttr::scalar(f32::NAN))
         .attr("row_len", OwnedAttr::scalar(4i64))
         .build(&ctx);
     let (code, message) = inst
-        .call(BUNDLE.handler(Stage::Instantiate).unwrap())
+        .call(SCALE.handler(Stage::Instantiate).unwrap())
         .unwrap_err();
     assert_eq!(code, ErrorCode::InvalidArgument);
     assert!(
@@ -663,8 +725,8 @@ fn instantiate_validates_attributes() {
     );
     assert_eq!(ctx.state_count(), 0);
     // Executing without a state is an error, not a crash.
-    let mut exec = scaled_copy_frame(Stage::Execute, &[1.0; 4], &[4], 4).build(&ctx);
-    let (_, message) = exec.call(execute(&BUNDLE)).unwrap_err();
+    let mut exec = scale_frame(Stage::Execute, &[1.0; 4], &[4], 4).build(&ctx);
+    let (_, message) = exec.call(execute(&SCALE)).unwrap_err();
     assert!(
         message.contains("XLA_FFI_State_Get failed: state is not set"),
         "{message}"
@@ -673,71 +735,18 @@ fn instantiate_validates_attributes() {
 
 #[test]
 fn state_can_be_set_only_once() {
-    use crate::handlers::scaled_copy::{ScaledCopyState, BUNDLE};
-    fake::register_type(ScaledCopyState::registration()).unwrap();
+    fake::register_type(ScaleState::registration()).unwrap();
     let ctx = FakeContext::new();
     let before = crate::state::snapshot();
     for expect_ok in [true, false] {
-        let mut inst = scaled_copy_frame(Stage::Instantiate, &[], &[], 2).build(&ctx);
-        let result = inst.call(BUNDLE.handler(Stage::Instantiate).unwrap());
+        let mut inst = scale_frame(Stage::Instantiate, &[], &[], 2).build(&ctx);
+        let result = inst.call(SCALE.handler(Stage::Instantiate).unwrap());
         assert_eq!(result.is_ok(), expect_ok, "{result:?}");
     }
     // The refused state was dropped (created 2, one destroyed already).
     let after = crate::state::snapshot();
     assert!(after.destroyed_states > before.destroyed_states);
     assert_eq!(ctx.state_count(), 1);
-}
-
-#[test]
-fn panics_in_every_stage_become_errors() {
-    use crate::handlers::testing::{StagesState, STAGES_BUNDLE};
-    fake::register_type(StagesState::registration()).unwrap();
-    for stage in Stage::ALL {
-        let ctx = FakeContext::new();
-        let frame = |s: Stage| {
-            let b = FrameBuilder::new(s)
-                .attr("panic_in", OwnedAttr::string(stage.name()))
-                .attr("fail_in", OwnedAttr::string("none"));
-            if s == Stage::Execute {
-                b.ret(OwnedBuffer::zeros(DataType::S32, &[4]))
-            } else {
-                b
-            }
-        };
-        let mut errors = Vec::new();
-        for s in Stage::ALL {
-            let mut f = frame(s).build(&ctx);
-            if let Err(e) = f.call(STAGES_BUNDLE.handler(s).unwrap()) {
-                errors.push((s, e));
-            }
-        }
-        let (failed_stage, (code, message)) = errors.first().cloned().unwrap();
-        assert_eq!(failed_stage, stage);
-        assert_eq!(code, ErrorCode::Internal);
-        assert!(
-            message.contains(&format!(
-                "panic in rmsnorm_ffi_testing_stages [{stage}]: deliberate panic in the {stage} stage"
-            )),
-            "{message}"
-        );
-    }
-}
-
-#[test]
-fn context_queries_and_thread_pool() {
-    use crate::handlers::testing::CONTEXT_BUNDLE;
-    for inline in [false, true] {
-        let mut ctx = FakeContext::new();
-        ctx.inline_tasks = inline;
-        ctx.num_threads = 3;
-        ctx.device_ordinal = 2;
-        ctx.run_id = 77;
-        let mut frame = FrameBuilder::new(Stage::Execute)
-            .ret(OwnedBuffer::zeros(DataType::S32, &[4]))
-            .build(&ctx);
-        frame.call(execute(&CONTEXT_BUNDLE)).unwrap();
-        assert_eq!(frame.result(0).values::<i32>(), vec![3, 2, 77, 1]);
-    }
 }
 
 struct MemoryUser;
@@ -776,9 +785,8 @@ fn device_memory_is_returned_and_stream_errors_are_reported() {
 fn registration_lists_are_consistent() {
     crate::handlers::check_all().unwrap();
     let cpu = crate::handlers::bundles("cpu").unwrap();
-    assert!(cpu.iter().any(|b| b.target == "rmsnorm_ffi_scaled_copy"));
-    let stages = crate::handlers::testing::STAGES_BUNDLE.stages();
-    assert_eq!(stages.len(), 4);
+    let targets: Vec<_> = cpu.iter().map(|b| b.target).collect();
+    assert_eq!(targets, crate::handlers::contract::TARGETS);
     let types = crate::handlers::state_types("cpu").unwrap();
     let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
     names.dedup();

@@ -6,8 +6,6 @@ pub mod error;
 pub mod gpu;
 pub mod math;
 pub mod operands;
-pub mod scaled_copy;
-pub mod testing;
 
 pub use error::HandlerError;
 
@@ -18,14 +16,11 @@ use crate::ffi::export::LibraryTable;
 use crate::ffi::{platform, BundleDef, StateTypeRegistration};
 
 /// Every bundle of the extension, each registered for the platform it names: the RMS norm on
-/// the CPU and (where JAX has a CUDA backend) on NVIDIA GPUs.
+/// the CPU and (where JAX has a CUDA backend) on NVIDIA GPUs, under the op contract's target
+/// names, and nothing else (examples and test fixtures are libraries of their own).
 pub const BUNDLES: &[BundleDef] = &[
     cpu::FORWARD_BUNDLE,
     cpu::BACKWARD_BUNDLE,
-    scaled_copy::BUNDLE,
-    testing::STAGES_BUNDLE,
-    testing::CONTEXT_BUNDLE,
-    testing::ATTRS_BUNDLE,
     gpu::FORWARD_BUNDLE,
     gpu::BACKWARD_BUNDLE,
 ];

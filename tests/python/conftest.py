@@ -13,6 +13,8 @@ import rmsnorm_ffi
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUNDLES_DIR = REPO / "target" / "bundles"
+# The scaled_copy example's Python module (examples/scaled_copy/scaled_copy.py).
+sys.path.insert(0, str(REPO / "examples" / "scaled_copy"))
 
 
 @functools.cache
@@ -59,3 +61,11 @@ def run_python(code, env=None, timeout=300):
         timeout=timeout,
         env=full_env,
     )
+
+
+@pytest.fixture(scope="session")
+def scaled_copy_registered():
+    """The scaled_copy example library, built and registered."""
+    import scaled_copy
+
+    return scaled_copy.load(bundle_library("scaled_copy"))

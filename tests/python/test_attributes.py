@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import ml_dtypes
 
-from rmsnorm_ffi.testing import describe_attributes
+from testing_bundles import describe_attributes
 
 
 @pytest.mark.parametrize(

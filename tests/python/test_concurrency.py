@@ -5,11 +5,14 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import live_states_of
 
 import rmsnorm_ffi
-from rmsnorm_ffi.examples import TARGET, scaled_copy, scaled_copy_reference
+from scaled_copy import TARGET, scaled_copy, scaled_copy_reference
+
+pytestmark = pytest.mark.usefixtures("scaled_copy_registered")
 
 THREADS = 8
 CALLS = 50

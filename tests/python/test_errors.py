@@ -5,15 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rmsnorm_ffi import register, testing
-from rmsnorm_ffi.examples import TARGET, scaled_copy
+import testing_bundles as testing
+from scaled_copy import TARGET, load, scaled_copy
+
+pytestmark = pytest.mark.usefixtures("scaled_copy_registered")
 
 XlaError = jax.errors.JaxRuntimeError
 
 
 def raw_scaled_copy(x, **attrs):
     """Calls the target without the Python-side checks, to reach the Rust diagnostics."""
-    register()
+    load()
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, **attrs)
 
 

@@ -188,3 +188,45 @@ def test_registration_from_many_threads_at_once_registers_once():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "ok"
+
+
+def test_stats_counts_every_library_with_one_id_sequence(fresh_caches):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import testing_bundles
+    from conftest import live_states_of
+
+    counter_path = bundle_library("counter_bundle")
+    counter_target = rmsnorm_ffi.register_library(counter_path)[0]
+    scaled = rmsnorm_ffi.register_library(bundle_library("scaled_copy"))[0]
+    testing_bundles.register()
+    counter = jax.ffi.ffi_call(counter_target, jax.ShapeDtypeStruct((), jnp.int64), has_side_effect=True)
+    copy = jax.ffi.ffi_call(scaled, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+
+    @jax.jit
+    def three_libraries_and_the_extension(x):
+        c = counter(start=np.int64(0), step=np.int64(1))
+        y = copy(x, scale=np.float32(2.0), row_len=np.int64(4))
+        return c, y, testing_bundles.stage_counts(), rmsnorm_ffi.rms_norm(x)
+
+    before = rmsnorm_ffi.stats()
+    for _ in range(3):
+        jax.block_until_ready(three_libraries_and_the_extension(jnp.ones((2, 4), jnp.float32)))
+    after = rmsnorm_ffi.stats()
+    targets = [counter_target, scaled, "rmsnorm_ffi_testing_stages", "rmsnorm_fwd"]
+    for target in targets:
+        assert after["executions"][target] - before["executions"].get(target, 0) == 3, target
+        assert [s["executions"] for s in live_states_of(target)] == [3], target
+    ids = [s["id"] for s in after["states"]]
+    assert len(ids) == len(set(ids)) == after["live_states"] >= 4
+    assert after["created_states"] - before["created_states"] == 4
+    del three_libraries_and_the_extension
+    jax.clear_caches()
+    import gc
+
+    gc.collect()
+    final = rmsnorm_ffi.stats()
+    assert final["live_states"] == 0, final["states"]
+    assert final["created_states"] == final["destroyed_states"]

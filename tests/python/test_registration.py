@@ -1,10 +1,11 @@
-"""Registration: lazy, idempotent, thread-safe, and independent of when the backend starts."""
+"""Registration: lazy, idempotent, thread-safe, independent of when the backend starts, and of
+the product only (examples and test fixtures are libraries a user process never registers)."""
 
 import textwrap
 
 import pytest
 
-from conftest import run_python
+from conftest import bundle_library, run_python
 
 import rmsnorm_ffi
 from rmsnorm_ffi import _native
@@ -28,21 +29,31 @@ def test_import_registers_nothing():
 
 
 @pytest.mark.parametrize("backend_first", [True, False], ids=["backend-started-first", "register-first"])
-def test_register_works_whether_or_not_backend_started(backend_first):
+@pytest.mark.parametrize("library_first", [True, False], ids=["library-first", "extension-first"])
+def test_register_works_whether_or_not_backend_started(backend_first, library_first):
+    # Both stateful: the extension's rms_norm and the scaled_copy library's target, registered
+    # in either order, before or after the backend started.
     start = "jax.devices()" if backend_first else "pass"
+    steps = ["print(rmsnorm_ffi.register_library(LIB))", "print(rmsnorm_ffi.register())"]
+    first, second = steps if library_first else steps[::-1]
     out = check_in_subprocess(
         f"""
         import jax, jax.numpy as jnp, numpy as np
         {start}
         import rmsnorm_ffi
-        from rmsnorm_ffi.examples import scaled_copy
-        print(rmsnorm_ffi.register())
-        y = jax.jit(lambda x: scaled_copy(x, 3.0))(jnp.ones((2, 3), jnp.float32))
+        LIB = {str(bundle_library("scaled_copy"))!r}
+        {first}
+        {second}
+        call = jax.ffi.ffi_call("scaled_copy", jax.ShapeDtypeStruct((2, 3), jnp.float32))
+        y = jax.jit(lambda x: call(x, scale=np.float32(3.0), row_len=np.int64(3)))(jnp.ones((2, 3), jnp.float32))
         np.testing.assert_allclose(np.asarray(y), np.tile([3.0, 1.5, 1.0], (2, 1)), rtol=1e-6)
+        x = jnp.ones((2, 3), jnp.float32)
+        np.testing.assert_allclose(np.asarray(rmsnorm_ffi.rms_norm(x)), np.asarray(rmsnorm_ffi.rms_norm_reference(x)), rtol=1e-6)
         print("ok")
         """
     )
-    assert out.split() == ["('cpu',)", "ok"]
+    expected = ["('scaled_copy',)", "('cpu',)"]
+    assert out.split() == (expected if library_first else expected[::-1]) + ["ok"]
 
 
 def test_register_is_idempotent_and_thread_safe():
@@ -74,18 +85,34 @@ def test_register_is_idempotent_and_thread_safe():
     assert out.strip() == "ok"
 
 
-def test_registrations_expose_every_stage_as_capsules():
-    regs = _native.registrations("cpu")
-    assert set(regs["rmsnorm_ffi_scaled_copy"]) == {"instantiate", "execute"}
-    assert set(regs["rmsnorm_ffi_testing_stages"]) == {"instantiate", "prepare", "initialize", "execute"}
-    assert set(regs["rmsnorm_ffi_testing_context"]) == {"execute"}
-    for stages in regs.values():
-        for capsule in stages.values():
-            assert type(capsule).__name__ == "PyCapsule"
-    types = _native.state_types("cpu")
-    assert "rmsnorm_ffi.ScaledCopyState" in types
-    for entry in types.values():
+def test_a_user_process_registers_only_the_products_targets():
+    contract = _native.contract()
+    targets = {contract["forward_target"], contract["backward_target"]}
+    for platform in ("cpu", "cuda"):
+        regs = _native.registrations(platform)
+        assert set(regs) == targets, platform
+        for stages in regs.values():
+            assert "instantiate" in stages and "execute" in stages
+            for capsule in stages.values():
+                assert type(capsule).__name__ == "PyCapsule"
+    assert set(_native.state_types("cpu")) == {"rmsnorm_ffi.RmsNormForwardState", "rmsnorm_ffi.RmsNormBackwardState"}
+    for entry in _native.state_types("cpu").values():
         assert set(entry) == {"type_id", "type_info"}
+    # The table register() reads has the same bundles, one per target and platform.
+    product = _native.product()
+    assert sorted((b["platform"], b["target"]) for b in product["bundles"]) == sorted(
+        (p, t) for p in ("cpu", "cuda") for t in targets
+    )
+    # And in a fresh process, after register(), XLA knows no fixture or example target.
+    out = check_in_subprocess(
+        """
+        import rmsnorm_ffi
+        from jax._src.lib import xla_client
+        rmsnorm_ffi.register()
+        print(sorted(t for t in xla_client.custom_call_targets("cpu") if "rmsnorm" in t))
+        """
+    )
+    assert out.strip() == str(sorted(targets))
 
 
 def test_unknown_platform_is_a_clear_error():

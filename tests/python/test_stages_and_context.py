@@ -1,9 +1,10 @@
-"""Which stages XLA:CPU runs, and what the execution context offers, seen from real XLA."""
+"""Which stages XLA:CPU runs, and what the execution context offers, seen from real XLA through
+the test fixtures' library (registered with `rmsnorm_ffi.register_library`)."""
 
 import jax
 import numpy as np
 
-from rmsnorm_ffi import testing
+import testing_bundles as testing
 
 
 def test_stage_counts_on_cpu(fresh_caches):

@@ -1,5 +1,6 @@
-"""The stateful example bundle against real XLA: one state per call site per executable,
-reused by every execution, freed with the executable."""
+"""The stateful example bundle (the scaled_copy example library, registered with
+`rmsnorm_ffi.register_library`) against real XLA: one state per call site per executable,
+reused by every execution, freed with the executable, all seen in `rmsnorm_ffi.stats()`."""
 
 import gc
 
@@ -11,7 +12,9 @@ import pytest
 from conftest import live_states_of
 
 import rmsnorm_ffi
-from rmsnorm_ffi.examples import TARGET, scaled_copy, scaled_copy_reference
+from scaled_copy import TARGET, scaled_copy, scaled_copy_reference
+
+pytestmark = pytest.mark.usefixtures("scaled_copy_registered")
 
 
 def test_instantiate_once_per_call_site_and_reuse(fresh_caches):
@@ -26,7 +29,7 @@ def test_instantiate_once_per_call_site_and_reuse(fresh_caches):
     assert after["executions"][TARGET] - before["executions"].get(TARGET, 0) == 5
     (state,) = live_states_of(TARGET)
     assert state["executions"] == 5
-    assert state["type"] == "rmsnorm_ffi.ScaledCopyState"
+    assert state["type"] == "scaled_copy.ScaledCopyState"
 
 
 def test_each_call_site_and_executable_gets_its_own_state(fresh_caches):

@@ -1,6 +1,6 @@
 """The stateful example bundle, end to end: what instantiate builds and execute reuses.
 
-Run with `make demo`. Compiles a function with two call sites of the Rust `scaled_copy`
+Run with `make stateful-demo`. Compiles a function with two call sites of the Rust `scaled_copy`
 bundle, runs it many times (also from several threads at once), checks every result against
 jnp, and prints what the live-state registry saw: one state per call site, reused by every
 execution, no workspace allocation after warm-up, and every state freed with its executable.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rmsnorm_ffi
-from rmsnorm_ffi.examples import scaled_copy, scaled_copy_reference
+from scaled_copy import TARGET, load, scaled_copy, scaled_copy_reference  # next to this file
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=1024)
     args = parser.parse_args()
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; registered: {rmsnorm_ffi.register()}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; registered: {load()}")
 
     @jax.jit
     def step(x):
@@ -63,7 +63,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     done = rmsnorm_ffi.stats()
     calls = args.steps * args.threads
-    executions = done["executions"]["rmsnorm_ffi_scaled_copy"] - warm["executions"]["rmsnorm_ffi_scaled_copy"]
+    executions = done["executions"][TARGET] - warm["executions"][TARGET]
 
     print(f"{calls} calls from {args.threads} threads in {elapsed:.2f} s ({calls / elapsed:.0f} calls/s)")
     print(f"mismatches against jnp: {len(mismatches)}")

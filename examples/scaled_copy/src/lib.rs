@@ -1,29 +1,33 @@
-//! The example stateful bundle: a scaled copy with a table cached in the instantiate stage.
+//! An example stateful bundle in a library of its own: a scaled copy with a table cached in
+//! the instantiate stage.
 //!
 //! `y[..., j] = x[..., j] * scale / (j + 1)`. The instantiate stage validates the attributes once
 //! and builds the per-column table and a workspace pool; the execute stage reuses both on every
 //! call, from any number of threads. Half-precision rows are widened into a pooled f32
 //! workspace, scaled there, and narrowed into the result, so executions allocate nothing after
 //! warm-up. It exists to prove the FFI layer and state registry against real XLA, and as the
-//! smallest complete example of a stateful bundle.
+//! smallest complete example of a stateful bundle with any-dtype buffers and a workspace pool.
+//! The library exports its table with `export_library!` (last line); `scaled_copy.py` next to
+//! this crate registers it with `rmsnorm_ffi.register_library` and calls it.
+#![deny(unsafe_code)]
 
 use half::{bf16, f16};
 
-use super::error::HandlerError;
-use crate::ffi::{
+use rmsnorm_ffi::ffi::{
     AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiResult, Host,
     Instantiate, NativeType, Operand,
 };
-use crate::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
+use rmsnorm_ffi::handlers::HandlerError;
+use rmsnorm_ffi::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
 
 /// The target name.
-pub const TARGET: &str = "rmsnorm_ffi_scaled_copy";
+pub const TARGET: &str = "scaled_copy";
 /// Longest row the example accepts (keeps the cached table small).
 pub const MAX_ROW_LEN: i64 = 1 << 24;
 const DTYPES: [DataType; 3] = [DataType::F32, DataType::BF16, DataType::F16];
 
-crate::ffi_attrs! {
-    /// Attributes of `rmsnorm_ffi_scaled_copy`.
+rmsnorm_ffi::ffi_attrs! {
+    /// Attributes of `scaled_copy`.
     pub struct ScaledCopyAttrs {
         /// The factor; finite.
         pub scale: f32,
@@ -38,7 +42,7 @@ pub struct ScaledCopyState {
     table: Vec<f32>,
     rows: WorkspacePool<f32>,
 }
-crate::state_type!(ScaledCopyState, "rmsnorm_ffi.ScaledCopyState");
+rmsnorm_ffi::state_type!(ScaledCopyState, "scaled_copy.ScaledCopyState");
 
 /// The bundle type.
 pub struct ScaledCopy;
@@ -70,7 +74,7 @@ impl Instantiate for ScaledCopy {
         let n = attrs.row_len as usize;
         let table = (0..n).map(|j| attrs.scale / (j as f32 + 1.0)).collect();
         Ok(ScaledCopyState {
-            live: LiveState::register(TARGET, "rmsnorm_ffi.ScaledCopyState"),
+            live: LiveState::register(TARGET, "scaled_copy.ScaledCopyState"),
             table,
             rows: WorkspacePool::new(n, DEFAULT_POOL_CAPACITY),
         })
@@ -188,3 +192,6 @@ pub const BUNDLE: BundleDef = BundleDef::of::<ScaledCopy>()
     .instantiate()
     .execute()
     .build();
+
+// The library's one exported symbol: its table.
+rmsnorm_ffi::export_library!(BUNDLE);

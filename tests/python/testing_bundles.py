@@ -1,6 +1,7 @@
-"""Calls of the extension's test targets (see ``src/handlers/testing.rs``).
+"""Calls of the test fixtures' targets (``tests/fixtures/testing_bundles``, a library built on
+the crate, registered with ``rmsnorm_ffi.register_library``; no user process has them).
 
-These exist to prove the FFI layer against real XLA: every stage of a bundle running, panics
+They exist to prove the FFI layer against real XLA: every stage of a bundle running, panics
 and errors in each stage coming back as Python exceptions, and the execution context.
 """
 
@@ -9,7 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rmsnorm_ffi._registration import register
+import rmsnorm_ffi
+from conftest import bundle_library
+
+
+def register() -> tuple[str, ...]:
+    """Builds (if needed) and registers the fixture library; returns its targets."""
+    return rmsnorm_ffi.register_library(bundle_library("rmsnorm_ffi_testing"))
 
 STAGES_TARGET = "rmsnorm_ffi_testing_stages"
 CONTEXT_TARGET = "rmsnorm_ffi_testing_context"

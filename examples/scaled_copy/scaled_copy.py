@@ -1,22 +1,38 @@
-"""The example stateful op: a scaled copy with a table cached at instantiation.
+"""The example stateful op of the `scaled_copy` library: a scaled copy with a table cached at
+instantiation.
 
 ``scaled_copy(x, scale)`` returns ``x * scale / (j + 1)`` along the last axis ``j``. The Rust
 bundle builds the table ``scale / (j + 1)`` once per call site, in the instantiate stage, and
-every execution reuses it (see ``src/handlers/scaled_copy.rs``).
+every execution reuses it (see ``src/lib.rs`` next to this file). The library is built on
+rmsnorm_ffi (`make bundles` puts it in target/bundles/) and registered with
+``rmsnorm_ffi.register_library``; its states count in ``rmsnorm_ffi.stats()``.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rmsnorm_ffi._registration import register
+import rmsnorm_ffi
 
-TARGET = "rmsnorm_ffi_scaled_copy"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# Where `make bundles` puts it; SCALED_COPY_LIB overrides.
+DEFAULT_LIB = REPO / "target" / "bundles" / "libscaled_copy.so"
+TARGET = "scaled_copy"
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def load(path: str | os.PathLike | None = None) -> tuple[str, ...]:
+    """Registers the library (once; again is a no-op) and returns its targets."""
+    path = pathlib.Path(path or os.environ.get("SCALED_COPY_LIB") or DEFAULT_LIB)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: build it with `make bundles`")
+    return rmsnorm_ffi.register_library(path)
 
 
 def scaled_copy(x, scale: float = 1.0):
@@ -28,7 +44,7 @@ def scaled_copy(x, scale: float = 1.0):
         raise ValueError("scaled_copy: x must have at least one axis, got a scalar")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scaled_copy: scale must be a finite number, got {scale!r}")
-    register()
+    load()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="expand_dims")
     return call(x, scale=np.float32(scale), row_len=np.int64(x.shape[-1]))
 
