@@ -66,8 +66,10 @@ bundles:
 counter-bundle: bundles
 
 # RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
-rust-test: $(DEPS)
-	XLA_FFI_INCLUDE_DIR="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+# XLA_FFI_INCLUDE_DIRS: the XLA FFI headers of both ends of the jax range (API 0.3 and 0.5), for
+# tests/abi_layout.rs.
+rust-test: $(DEPS) $(DEPS_NEW)
+	XLA_FFI_INCLUDE_DIRS="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())'):$$($(PY_NEW) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
 	RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
 		cargo test --features fake-runtime
 

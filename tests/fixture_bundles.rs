@@ -54,12 +54,12 @@ fn context_queries_and_thread_pool() {
         ctx.device_ordinal = 2;
         ctx.run_id = 77;
         let mut frame = FrameBuilder::new(Stage::Execute)
-            .ret(OwnedBuffer::zeros(DataType::S32, &[4]))
+            .ret(OwnedBuffer::zeros(DataType::S32, &[6]))
             .build(&ctx);
         frame
             .call(CONTEXT_BUNDLE.handler(Stage::Execute).unwrap())
             .unwrap();
-        assert_eq!(frame.result(0).values::<i32>(), vec![3, 2, 77, 1]);
+        assert_eq!(frame.result(0).values::<i32>(), vec![3, 2, 77, 1, 0, 3]);
     }
 }
 

@@ -1,8 +1,13 @@
 """Which stages XLA:CPU runs, and what the execution context offers, seen from real XLA through
 the test fixtures' library (registered with `rmsnorm_ffi.register_library`)."""
 
+import pathlib
+import re
+
 import jax
 import numpy as np
+
+from rmsnorm_ffi import _native, rms_norm, rms_norm_reference
 
 import testing_bundles as testing
 
@@ -18,8 +23,27 @@ def test_stage_counts_on_cpu(fresh_caches):
 
 
 def test_context_probe():
-    num_threads, device_ordinal, run_id, task_ran = np.asarray(jax.jit(testing.context_probe)()).tolist()
+    num_threads, device_ordinal, run_id, task_ran, *_ = np.asarray(jax.jit(testing.context_probe)()).tolist()
     assert num_threads >= 1
     assert device_ordinal == 0
     assert task_ran == 1, "a task scheduled on XLA's thread pool ran"
     assert run_id >= 0
+
+
+def header_api_version() -> tuple[int, int]:
+    """The XLA FFI API version of the installed jaxlib's header."""
+    header = (pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    major, minor = (int(re.search(rf"#define XLA_FFI_API_{part} (\d+)", header).group(1)) for part in ("MAJOR", "MINOR"))
+    return major, minor
+
+
+def test_the_installed_runtime_runs_our_api_0_3_handlers():
+    # Our handlers report API 0.3 at registration (the metadata answer); the runtime is whatever
+    # jaxlib is installed: 0.3 with jax 0.10.2, 0.5 with jax 0.12 (make python-test-new). It
+    # accepted them, ran the library's handler and the extension's, and says which it is.
+    assert _native.XLA_FFI_API_VERSION == (0, 3)
+    runtime = tuple(np.asarray(jax.jit(testing.context_probe)()).tolist()[4:])
+    assert runtime == header_api_version(), (runtime, jax.__version__)
+    assert runtime[0] == 0 and runtime[1] >= 3
+    x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(3, 8)
+    np.testing.assert_allclose(np.asarray(jax.jit(rms_norm)(x)), np.asarray(rms_norm_reference(x)), rtol=1e-6)

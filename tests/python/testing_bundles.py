@@ -34,10 +34,10 @@ def stage_counts(panic_in: str = "none", fail_in: str = "none"):
 
 
 def context_probe():
-    """int32[4]: XLA's thread-pool size, device ordinal, run id, and 1 if a task scheduled on
-    XLA's thread pool ran."""
+    """int32[6]: XLA's thread-pool size, device ordinal, run id, 1 if a task scheduled on XLA's
+    thread pool ran, and the major and minor API version of the runtime that ran the handler."""
     register()
-    call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((4,), jnp.int32))
+    call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((6,), jnp.int32))
     return call()
 
 
