@@ -34,6 +34,11 @@ impl RegistryHost for Counting {
 }
 
 static COUNTING: RegistryHooks = RegistryHooks::of::<Counting>();
+/// A table that claims to be smaller than a `RegistryHooks`.
+static SMALL: RegistryHooks = RegistryHooks {
+    struct_size: 8,
+    ..RegistryHooks::of::<Counting>()
+};
 
 #[test]
 fn an_adopted_copy_reports_states_and_workspaces_through_the_hooks() {
@@ -49,14 +54,9 @@ fn an_adopted_copy_reports_states_and_workspaces_through_the_hooks() {
         unsafe { host::install(std::ptr::null()) },
         Err(HostError::Null)
     );
-    let small = RegistryHooks {
-        struct_size: 8,
-        ..RegistryHooks::of::<Counting>()
-    };
-    let small: &'static RegistryHooks = Box::leak(Box::new(small));
-    // SAFETY: `small` lives for the process; its size is checked before anything else.
+    // SAFETY: `SMALL` lives for the process; its size is checked before anything else.
     assert!(matches!(
-        unsafe { host::install(small) },
+        unsafe { host::install(&SMALL) },
         Err(HostError::TooSmall { got: 8, .. })
     ));
     assert!(!host::is_hosted());

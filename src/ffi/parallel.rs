@@ -13,18 +13,114 @@
 //!
 //! [`DisjointChunks`] hands out `&mut` sub-slices of an output by chunk index, each at most
 //! once (checked with an atomic bit set), so a loop body can write its rows in safe code.
+//!
+//! The synchronization goes through [`sync`], which is `std` (and crossbeam's queue) in every
+//! build, and loom's models under the test-only feature `loom`: the model-checking tests at the
+//! bottom run this very code under every interleaving loom explores (see there for what that
+//! proves and what it does not).
 
-use std::cell::UnsafeCell;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 
-use crossbeam::queue::ArrayQueue;
-
+use self::sync::{fence, Arc, AtomicBool, AtomicU64, AtomicUsize, IdleQueue, Ordering, UnsafeCell};
 use super::context::Context;
 use super::error::{FfiError, FfiResult};
+use super::sys;
+
+/// The primitives of this module: `std`'s, or loom's models of them (feature `loom`, tests
+/// only). `UnsafeCell` has loom's access API (`with`, `with_mut`) in both, so that loom can
+/// check every access to the loop body for races.
+#[cfg(not(feature = "loom"))]
+mod sync {
+    pub use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    pub use std::sync::Arc;
+
+    /// `std::cell::UnsafeCell` with loom's API.
+    pub struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        pub const fn new(value: T) -> Self {
+            UnsafeCell(std::cell::UnsafeCell::new(value))
+        }
+        pub fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0.get())
+        }
+        pub fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0.get())
+        }
+    }
+
+    /// A bounded lock-free queue of idle slots.
+    pub struct IdleQueue<T>(crossbeam::queue::ArrayQueue<T>);
+
+    impl<T> IdleQueue<T> {
+        pub fn new(capacity: usize) -> Self {
+            IdleQueue(crossbeam::queue::ArrayQueue::new(capacity))
+        }
+        pub fn push(&self, value: T) -> Result<(), T> {
+            self.0.push(value)
+        }
+        pub fn pop(&self) -> Option<T> {
+            self.0.pop()
+        }
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    /// One step of waiting for other threads: spin a little, then yield.
+    pub fn wait_step(spins: &mut u32) {
+        *spins += 1;
+        if *spins < 256 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(feature = "loom")]
+mod sync {
+    pub use loom::cell::UnsafeCell;
+    pub use loom::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    pub use loom::sync::Arc;
+
+    /// crossbeam's `ArrayQueue` as loom sees it: a bounded queue whose push and pop are atomic
+    /// (loom cannot look inside crossbeam, whose own tests cover its lock-freedom).
+    pub struct IdleQueue<T> {
+        items: loom::sync::Mutex<std::collections::VecDeque<T>>,
+        capacity: usize,
+    }
+
+    impl<T> IdleQueue<T> {
+        pub fn new(capacity: usize) -> Self {
+            IdleQueue {
+                items: loom::sync::Mutex::new(std::collections::VecDeque::new()),
+                capacity,
+            }
+        }
+        pub fn push(&self, value: T) -> Result<(), T> {
+            let mut items = self.items.lock().unwrap();
+            if items.len() == self.capacity {
+                return Err(value);
+            }
+            items.push_back(value);
+            Ok(())
+        }
+        pub fn pop(&self) -> Option<T> {
+            self.items.lock().unwrap().pop_front()
+        }
+        pub fn len(&self) -> usize {
+            self.items.lock().unwrap().len()
+        }
+    }
+
+    /// Waiting is a yield to loom's scheduler.
+    pub fn wait_step(_spins: &mut u32) {
+        loom::thread::yield_now();
+    }
+}
 
 /// Chunks one [`ParallelJobs::run`] may have (the width of [`DisjointChunks`]' bit set).
 pub const MAX_CHUNKS: usize = 64;
@@ -44,7 +140,7 @@ struct JobSlot {
 
 // SAFETY: `body` is written only by the owner while no task can read it (before scheduling,
 // after every claimed chunk finished); tasks read it only between claiming a chunk and marking
-// it done, during which the owner waits. The pointee is `Sync`.
+// it done, during which the owner waits. The pointee is `Sync`. (The loom tests check this.)
 unsafe impl Sync for JobSlot {}
 // SAFETY: as above; the slot moves between threads only through `Arc`.
 unsafe impl Send for JobSlot {}
@@ -69,7 +165,10 @@ impl JobSlot {
                 return;
             }
             // SAFETY: a chunk was claimed, so the owner is waiting and `body` is set and alive.
-            let body = unsafe { (*self.body.get()).expect("a claimed chunk has a body") };
+            let body = self
+                .body
+                .with(|body| unsafe { *body })
+                .expect("a claimed chunk has a body");
             // SAFETY: the body outlives every claimed chunk (see the type's comment).
             let result = catch_unwind(AssertUnwindSafe(|| unsafe { (*body)(chunk) }));
             if let Err(payload) = result {
@@ -83,7 +182,7 @@ impl JobSlot {
 
 /// A pool of job slots, one per loop that may be in flight at once; keep it in the state.
 pub struct ParallelJobs {
-    idle: ArrayQueue<Arc<JobSlot>>,
+    idle: IdleQueue<Arc<JobSlot>>,
 }
 
 impl Default for ParallelJobs {
@@ -95,7 +194,7 @@ impl Default for ParallelJobs {
 impl ParallelJobs {
     pub fn new() -> Self {
         ParallelJobs {
-            idle: ArrayQueue::new(64),
+            idle: IdleQueue::new(64),
         }
     }
 
@@ -105,8 +204,10 @@ impl ParallelJobs {
             match self.idle.pop() {
                 Some(slot) if Arc::strong_count(&slot) == 1 => {
                     // Pairs with the release in the last task's `Arc` drop: everything that
-                    // task did to the slot happens before we reset it.
-                    std::sync::atomic::fence(Ordering::Acquire);
+                    // task did to the slot happens before we reset it. (A late task touches
+                    // only atomics, since it claims nothing, so the loom models pass without
+                    // the fence too; it keeps the reset ordered after anything a task does.)
+                    fence(Ordering::Acquire);
                     return slot;
                 }
                 // A late task still holds it: put it back for later.
@@ -128,6 +229,23 @@ impl ParallelJobs {
         workers: usize,
         body: &(dyn Fn(usize) + Sync),
     ) -> FfiResult<()> {
+        self.run_on(chunks, workers, body, |task, data| {
+            // SAFETY: `task(data)` may run once, at any time, on any thread: what `run_on`
+            // promises of the tasks it schedules.
+            unsafe { ctx.schedule_raw(task, data) }.is_ok()
+        })
+    }
+
+    /// [`Self::run`] with the thread pool as a function: `schedule(task, data)` either arranges
+    /// for `task(data)` to be called exactly once, on any thread, at any time (even after this
+    /// returns), and returns true, or does not call it and returns false.
+    pub(crate) fn run_on(
+        &self,
+        chunks: usize,
+        workers: usize,
+        body: &(dyn Fn(usize) + Sync),
+        mut schedule: impl FnMut(sys::XLA_FFI_Task, *mut c_void) -> bool,
+    ) -> FfiResult<()> {
         if chunks == 0 {
             return Ok(());
         }
@@ -143,14 +261,14 @@ impl ParallelJobs {
         // claimed chunk is done, and unclaimed chunks never read it.
         let erased: *const Body<'static> = unsafe { std::mem::transmute(body as *const Body<'_>) };
         // SAFETY: no task holds this slot (checked in `checkout`), so nobody reads `body` now.
-        unsafe { *slot.body.get() = Some(erased) };
+        slot.body.with_mut(|body| unsafe { *body = Some(erased) });
         slot.total.store(chunks, Ordering::Release);
 
         for _ in 1..workers.min(chunks) {
             let data = Arc::into_raw(Arc::clone(&slot)).cast_mut().cast::<c_void>();
-            // SAFETY: `run_task` takes back the `Arc` leaked above and may run at any time on
-            // any thread; the slot stays alive through that `Arc`.
-            if unsafe { ctx.schedule_raw(run_task, data) }.is_err() {
+            // `run_task` takes back the `Arc` leaked above and may run at any time on any
+            // thread; the slot stays alive through that `Arc`.
+            if !schedule(run_task, data) {
                 // SAFETY: the pool refused the task, so the `Arc` is still ours.
                 drop(unsafe { Arc::from_raw(data.cast::<JobSlot>()) });
                 break;
@@ -159,15 +277,10 @@ impl ParallelJobs {
         slot.work();
         let mut spins = 0u32;
         while slot.done.load(Ordering::Acquire) < chunks {
-            spins += 1;
-            if spins < 256 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            sync::wait_step(&mut spins);
         }
         // SAFETY: every chunk is done: no task will read `body` again.
-        unsafe { *slot.body.get() = None };
+        slot.body.with_mut(|body| unsafe { *body = None });
         let panicked = slot.panicked.load(Ordering::Acquire);
         let _ = self.idle.push(slot);
         if panicked {
@@ -258,9 +371,50 @@ impl<'a, T> DisjointChunks<'a, T> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(feature = "loom")))]
 mod tests {
     use super::*;
+
+    /// The loom models' scenarios on real threads, many times: tasks that start late (after
+    /// `run` returned, some of them during the next run of the same pool), two loops running
+    /// on one pool at once, and a pool whose slots are reused. A stress test samples the
+    /// interleavings this machine happens to produce; the loom models below are the proof
+    /// within their bounds, and this checks that the models' assumptions (a task runs once, on
+    /// any thread, at any time) hold with real threads.
+    #[test]
+    fn late_tasks_and_reused_slots_on_real_threads() {
+        let jobs = std::sync::Arc::new(ParallelJobs::new());
+        let spawn = |task: sys::XLA_FFI_Task, data: *mut c_void| {
+            let data = data as usize;
+            std::thread::spawn(move || {
+                if data % 3 == 0 {
+                    std::thread::yield_now();
+                }
+                // SAFETY: a task `run_on` scheduled, run once.
+                unsafe { task(data as *mut c_void) }
+            });
+            true
+        };
+        std::thread::scope(|scope| {
+            for owner in 0..2 {
+                let jobs = std::sync::Arc::clone(&jobs);
+                scope.spawn(move || {
+                    for round in 0..300usize {
+                        let chunks = 1 + (round + owner) % 7;
+                        let counts: Vec<std::sync::atomic::AtomicUsize> =
+                            (0..chunks).map(|_| Default::default()).collect();
+                        let body = |c: usize| {
+                            counts[c].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        };
+                        jobs.run_on(chunks, 4, &body, spawn).unwrap();
+                        for c in &counts {
+                            assert_eq!(c.load(std::sync::atomic::Ordering::Relaxed), 1);
+                        }
+                    }
+                });
+            }
+        });
+    }
 
     #[test]
     fn chunks_are_taken_once() {
@@ -277,5 +431,112 @@ mod tests {
         assert_eq!(data, [1, 1, 1, 2, 2, 2, 2, 2, 2, 2]);
         assert!(DisjointChunks::new(&mut data, &[0, 5, 4, 10]).is_err());
         assert!(DisjointChunks::new(&mut data, &[0, 5]).is_err());
+    }
+}
+
+/// Model checking of the job slots with loom (`make loom`: feature `loom`, these tests only).
+///
+/// loom runs each model under every interleaving of its threads that a bounded number of
+/// preemptions allows, with its models of the atomics, the fence, `Arc` and `UnsafeCell`; an
+/// access to the loop body's cell that is not ordered after the write it reads (or a write
+/// racing a read) fails the model, and so would a chunk run twice or not at all, a late task
+/// running a body after `run` returned, or a slot reused while a task still holds it.
+///
+/// What it does not prove: interleavings beyond the preemption bound (three here; loom's
+/// experience is that races show within two or three); more threads or chunks than modelled
+/// (three threads, up to three chunks, two runs of one pool); the idle queue itself, which is
+/// crossbeam's `ArrayQueue` in every build and modelled here as a bounded queue with atomic push
+/// and pop; and XLA's real thread pool, modelled as threads that run each task once, at any
+/// time. The workspace pools are a queue and counters around the same `ArrayQueue`, so there
+/// is nothing of theirs for loom to model: `state::pool`'s threaded test is their stress test.
+#[cfg(all(test, feature = "loom"))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::atomic::AtomicUsize as LoomUsize;
+
+    struct SendPtr(*mut c_void);
+    // SAFETY: the task contract lets `data` be used from any thread.
+    unsafe impl Send for SendPtr {}
+
+    /// XLA's thread pool as loom threads: each accepted task runs once, at a time loom picks.
+    fn schedule_on_threads(task: sys::XLA_FFI_Task, data: *mut c_void) -> bool {
+        let data = SendPtr(data);
+        loom::thread::spawn(move || {
+            let data = data;
+            // SAFETY: `run_on` hands out tasks that may run once, on any thread, at any time.
+            unsafe { task(data.0) }
+        });
+        true
+    }
+
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(f);
+    }
+
+    #[test]
+    fn every_chunk_runs_once_and_no_task_sees_the_body_after_run_returns() {
+        model(|| {
+            let jobs = ParallelJobs::new();
+            let counts: [LoomUsize; 3] = Default::default();
+            let body = |chunk: usize| {
+                counts[chunk].fetch_add(1, Ordering::Relaxed);
+            };
+            jobs.run_on(3, 3, &body, schedule_on_threads).unwrap();
+            // `run_on` returned: every chunk ran exactly once, whoever ran it, and any task
+            // still to start finds nothing to claim.
+            for c in &counts {
+                assert_eq!(c.load(Ordering::Relaxed), 1);
+            }
+        });
+    }
+
+    #[test]
+    fn a_slot_is_reused_only_once_no_late_task_holds_it() {
+        model(|| {
+            let jobs = ParallelJobs::new();
+            for _ in 0..2 {
+                let counts: [LoomUsize; 2] = Default::default();
+                let body = |chunk: usize| {
+                    counts[chunk].fetch_add(1, Ordering::Relaxed);
+                };
+                jobs.run_on(2, 2, &body, schedule_on_threads).unwrap();
+                for c in &counts {
+                    assert_eq!(c.load(Ordering::Relaxed), 1);
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn a_refused_task_leaves_the_work_to_the_caller() {
+        model(|| {
+            let jobs = ParallelJobs::new();
+            let counts: [LoomUsize; 2] = Default::default();
+            let body = |chunk: usize| {
+                counts[chunk].fetch_add(1, Ordering::Relaxed);
+            };
+            jobs.run_on(2, 2, &body, |_, _| false).unwrap();
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        });
+    }
+
+    #[test]
+    fn disjoint_chunks_are_handed_out_once_across_threads() {
+        model(|| {
+            let data: &'static mut [u32] = Box::leak(vec![0u32; 4].into_boxed_slice());
+            let chunks = Arc::new(DisjointChunks::new(data, &[0, 2, 4]).unwrap());
+            let other = Arc::clone(&chunks);
+            let thread = loom::thread::spawn(move || {
+                let got: Vec<usize> = (0..2).filter(|&c| other.take(c).is_some()).collect();
+                got
+            });
+            let mine: Vec<usize> = (0..2).filter(|&c| chunks.take(c).is_some()).collect();
+            let theirs = thread.join().unwrap();
+            let mut all = [mine, theirs].concat();
+            all.sort();
+            assert_eq!(all, [0, 1]);
+        });
     }
 }
