@@ -68,8 +68,10 @@ counter-bundle: bundles
 # RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
 # XLA_FFI_INCLUDE_DIRS: the XLA FFI headers of both ends of the jax range (API 0.3 and 0.5), for
 # tests/abi_layout.rs.
-rust-test: $(DEPS) $(DEPS_NEW)
-	XLA_FFI_INCLUDE_DIRS="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())'):$$($(PY_NEW) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+# (`make test` makes .venv-new/ first; `make rust-test` alone checks the headers that exist.)
+rust-test: $(DEPS)
+	XLA_FFI_INCLUDE_DIRS="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')$$(test -x $(PY_NEW) && \
+		$(PY_NEW) -c 'import jax.ffi; print(":" + jax.ffi.include_dir())')" \
 	RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
 		cargo test --features fake-runtime
 
@@ -127,7 +129,7 @@ python-test-new: $(DEPS) $(DEPS_NEW) bundles
 	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_NEW)/*.whl
 	$(PY_NEW) -m pytest -q $(NEW_STACK_TESTS)
 
-test: rust-test sanitize loom memcheck python-test python-test-new
+test: $(DEPS_NEW) rust-test sanitize loom memcheck python-test python-test-new
 
 # The benchmark suite: a table of times and ratios, bench/out/results.json and a PNG plot.
 # BENCH_ARGS passes options to bench/bench.py (the README test uses `--quick --out DIR`).
