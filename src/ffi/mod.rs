@@ -11,7 +11,7 @@
 //! through a cycle; `tests/ffi_layers.rs` checks every `use` against this list):
 //!
 //! 1. [`sys`]: the C mirror.
-//! 2. leaves: [`error`], [`dtype`], [`stage`], [`platform`], then [`panic`] (panic catching;
+//! 2. leaves: [`error`], [`dtype`], [`stage`], [`platform`], then [`panic`](mod@panic) (panic catching;
 //!    it needs only the error type).
 //! 3. [`api`] (the checked function table) and [`host`] (the registry a library reports into).
 //! 4. [`buffer`], then [`attrs`] (attributes share the list check of buffers).

@@ -14,7 +14,7 @@
 //! [`DisjointChunks`] hands out `&mut` sub-slices of an output by chunk index, each at most
 //! once (checked with an atomic bit set), so a loop body can write its rows in safe code.
 //!
-//! The synchronization goes through [`sync`], which is `std` (and crossbeam's queue) in every
+//! The synchronization goes through the private `sync` module, which is `std` (and crossbeam's queue) in every
 //! build, and loom's models under the test-only feature `loom`: the model-checking tests at the
 //! bottom run this very code under every interleaving loom explores (see there for what that
 //! proves and what it does not).
@@ -387,7 +387,7 @@ mod tests {
         let spawn = |task: sys::XLA_FFI_Task, data: *mut c_void| {
             let data = data as usize;
             std::thread::spawn(move || {
-                if data % 3 == 0 {
+                if data.is_multiple_of(3) {
                     std::thread::yield_now();
                 }
                 // SAFETY: a task `run_on` scheduled, run once.

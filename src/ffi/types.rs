@@ -112,7 +112,8 @@ pub trait StateType: Send + Sync + Sized + 'static {
 ///
 /// # Safety
 /// `object` must be null or a pointer produced by `Box::<T>::into_raw` in
-/// [`Context::set_state`] and not freed since; XLA calls each deleter once per state.
+/// `Context::set_state` and not freed since; XLA calls each deleter once per
+/// state.
 pub unsafe extern "C" fn delete_state<T: StateType>(object: *mut c_void) {
     if object.is_null() {
         return;
