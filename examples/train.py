@@ -11,26 +11,61 @@ live-state registry saw during the Rust run: one state per norm call site in the
 step (the instantiate stage ran once for each), every later execution reusing it, and no
 workspace allocation after warm-up. It exits non-zero if the two final losses differ by more than
 the stated tolerance or if anything was allocated after warm-up.
+
+With `--devices N` (N > 1) the CPU is split into N XLA devices and both runs train data-parallel
+under an explicit mesh (`jax.make_mesh((N,), ("data",))` + `jax.set_mesh`): each batch is
+sharded over the devices (`P("data")`), the parameters are replicated, and the norms run per
+device on their rows. The model, data and steps are those of one device, so the final losses
+are those of a `--devices 1` run up to reductions done in another order (the batch mean and the
+gradients summed over devices): within DEVICES_TOLERANCE. There a state's workspace pool grows
+to one workspace per device running its call site at once, which may first happen after
+warm-up, so the allocation check becomes: at most one workspace per device per state.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 
-import rmsnorm_ffi
+def _devices_from_argv(argv: list[str]) -> int:
+    """`--devices`, read before JAX is imported: the device count is fixed when the backend
+    starts. (argparse checks the value again, with the other flags.)"""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--devices", type=int, default=1)
+    try:
+        return early.parse_known_args(argv)[0].devices
+    except SystemExit:  # a malformed value: let the real parser report it
+        return 1
+
+
+_DEVICES = _devices_from_argv(sys.argv[1:])
+if _DEVICES > 1:  # before `import jax`: the environment is read when its CPU backend starts
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_DEVICES}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402  (after XLA_FLAGS)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import rmsnorm_ffi  # noqa: E402
 
 # The final losses (mean of the last LAST steps) of the two runs must agree within this. Both runs
 # do the same float32 math up to the order of a few products inside each norm; a few hundred
 # AdamW steps amplify those last-bit differences to a few 1e-3 (2e-3 at the defaults).
 LOSS_TOLERANCE = 2e-2
+# A --devices N run's final losses must match a --devices 1 run's within this (checked by
+# tests/python/test_train_example.py): the same math, with the batch mean and the gradient sums
+# split over devices, so only the order of float32 additions differs, amplified by AdamW as for
+# LOSS_TOLERANCE (at the defaults, --devices 2 against 1: 4e-4 for rmsnorm_ffi, 2e-3 for jnp).
+DEVICES_TOLERANCE = 2e-2
 LAST = 10
 # Steps before the workspace count is taken: compilation, and the pools growing to the
 # concurrency the first executions see.
@@ -83,6 +118,15 @@ class Block(nn.Module):
         return x + nn.Dense(self.width)(nn.gelu(h))
 
 
+def embed(table: nn.Embed, tokens):
+    """`table(tokens)`; under an explicit mesh, the same lookup with its result sharded like the
+    tokens (JAX asks a gather from a replicated table by sharded indices to say so)."""
+    sharding = jax.typeof(tokens).sharding
+    if sharding.mesh.empty:
+        return table(tokens)
+    return table.embedding.at[tokens].get(out_sharding=P(*sharding.spec, None))
+
+
 class CharTransformer(nn.Module):
     vocab: int
     width: int
@@ -93,7 +137,7 @@ class CharTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = embed(nn.Embed(self.vocab, self.width), tokens)
         x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq_len, self.width))
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.layers):
@@ -128,8 +172,12 @@ class Progress:
             print(line, flush=True)
 
 
-def train(label, model, params, batches, steps, lr, on_warm=None):
-    """Trains `params` for `steps` AdamW steps; returns (losses, steps/s after compilation)."""
+def train(label, model, params, batches, steps, lr, on_warm=None, mesh=None):
+    """Trains `params` for `steps` AdamW steps; returns (losses, steps/s after compilation).
+    With a `mesh`, data-parallel: the parameters replicated and every batch sharded over its
+    "data" axis (the caller has set the mesh with `jax.set_mesh`)."""
+    place = lambda value, spec: value if mesh is None else jax.device_put(value, NamedSharding(mesh, spec))  # noqa: E731
+    params = jax.tree.map(lambda p: place(p, P()), params)
     optimizer = optax.adamw(lr, weight_decay=0.01)
 
     @jax.jit
@@ -147,7 +195,7 @@ def train(label, model, params, batches, steps, lr, on_warm=None):
     losses = []
     timed_from = None
     for i, (x, y) in zip(range(steps), batches):
-        params, opt_state, loss = step(params, opt_state, x, y)
+        params, opt_state, loss = step(params, opt_state, place(x, P("data")), place(y, P("data")))
         losses.append(float(loss))  # also waits for the step to finish
         progress.update(i, losses[-1])
         if i == 0:
@@ -168,13 +216,22 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence (default 64)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="data and initialization seed (default 0)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="train data-parallel on this many host devices under an explicit mesh, the batch "
+                             "sharded over them (default 1)")
     args = parser.parse_args()
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
+    if args.batch % args.devices:
+        parser.error("--batch must be a multiple of --devices (the batch is split over the devices)")
+    if jax.device_count() < args.devices:
+        parser.error(f"--devices {args.devices}: JAX has {jax.device_count()} devices (XLA_FLAGS was set too late?)")
     if args.steps < WARMUP_STEPS + 1:
         parser.error(f"--steps must be at least {WARMUP_STEPS + 1} (warm-up is {WARMUP_STEPS} steps)")
     if args.width % args.heads:
         parser.error("--width must be a multiple of --heads")
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device), "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device{'s' if jax.device_count() > 1 else ''}), "
           f"rmsnorm_ffi registered for: {', '.join(rmsnorm_ffi.register())}")
     batches = Batches(make_text(args.seed), args.seq_len, args.batch, args.seed)
     config = dict(vocab=len(batches.vocab), width=args.width, layers=args.layers, heads=args.heads,
@@ -187,13 +244,19 @@ def main() -> int:
     print(f"model: {args.layers} blocks, width {args.width}, {n_params:,} parameters, "
           f"{2 * args.layers + 1} RMSNorms; data: generated additions, vocabulary {len(batches.vocab)}; "
           f"{args.steps} AdamW steps of {args.batch}x{args.seq_len} characters")
+    mesh = None
+    if args.devices > 1:
+        mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+        print(f"data-parallel over {args.devices} devices (explicit mesh, batch sharded P('data'), parameters "
+              f"replicated); final losses should match a 1-device run within {DEVICES_TOLERANCE:g}")
 
-    before = rmsnorm_ffi.stats()
-    warm = {}
-    ffi_losses, ffi_rate = train("rmsnorm_ffi", ours, params, batches, args.steps, args.lr,
-                                 on_warm=lambda: warm.update(rmsnorm_ffi.stats()))
-    after = rmsnorm_ffi.stats()
-    ref_losses, ref_rate = train("jnp (flax)", reference, params, batches, args.steps, args.lr)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        before = rmsnorm_ffi.stats()
+        warm = {}
+        ffi_losses, ffi_rate = train("rmsnorm_ffi", ours, params, batches, args.steps, args.lr,
+                                     on_warm=lambda: warm.update(rmsnorm_ffi.stats()), mesh=mesh)
+        after = rmsnorm_ffi.stats()
+        ref_losses, ref_rate = train("jnp (flax)", reference, params, batches, args.steps, args.lr, mesh=mesh)
 
     ffi_final = float(np.mean(ffi_losses[-LAST:]))
     ref_final = float(np.mean(ref_losses[-LAST:]))
@@ -206,6 +269,10 @@ def main() -> int:
     instantiated = after["created_states"] - before["created_states"]
     executed = executions(after) - executions(before)
     late_allocations = after["workspace_allocations"] - warm["workspace_allocations"]
+    total_allocations = after["workspace_allocations"] - before["workspace_allocations"]
+    # On N devices a state's pool grows to the number of devices that run its call site at the
+    # same moment, which may first happen after warm-up: at most N workspaces per state.
+    allocation_bound = args.devices * instantiated
 
     print()
     print(f"final loss (mean of last {LAST} steps): rmsnorm_ffi {ffi_final:.4f}, jnp {ref_final:.4f} "
@@ -217,13 +284,16 @@ def main() -> int:
           f"{2 * args.layers + 1} forward, {2 * args.layers + 1} backward)")
     print(f"norm executions that reused them: {executed - instantiated} of {executed}")
     print(f"workspace allocations after warm-up ({WARMUP_STEPS} steps): {late_allocations} "
-          f"(total {after['workspace_allocations'] - before['workspace_allocations']}, "
-          f"{after['workspace_bytes']} bytes held)")
+          f"(total {total_allocations}, {after['workspace_bytes']} bytes held"
+          + (f"; at most one per device per state: {allocation_bound}" if args.devices > 1 else "") + ")")
 
     failures = []
     if not agree:
         failures.append(f"final losses differ by {difference:.3g} > {LOSS_TOLERANCE:g}")
-    if late_allocations:
+    if args.devices > 1 and total_allocations > allocation_bound:
+        failures.append(f"{total_allocations} workspace allocations, more than one per device per state "
+                        f"({allocation_bound})")
+    if args.devices == 1 and late_allocations:
         failures.append(f"{late_allocations} workspace allocations after warm-up")
     if failures:
         print("FAILED: " + "; ".join(failures))
