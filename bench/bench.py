@@ -8,6 +8,21 @@ order so that drift and cache state hit them alike):
                     jnp reference the same way.
 The order of the variants is shuffled every round. The floor moves the same bytes with the same
 output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+
+Then a sharded case, in a subprocess with --sharded-devices (default 4) forced host devices (the
+device count is fixed when JAX starts): the training-step shape of the norm, `jax.grad` in x and
+w of `sum(norm(x, w) * dy)`, rows sharded P("data") over a mesh of all the devices (explicit and
+automatic), ours against the jnp reference on the same mesh. What it reports, per variant:
+  wall ms:   the wall time of one sharded step on all the devices (not a per-device time), best
+             of the reps;
+  /1dev:     wall over the same step on the whole batch on one device, timed in the same loop.
+             The forced devices share this machine's cores, so split rows cost about what one
+             device does (less where smaller per-device buffers fault and cache better);
+  repl ms:   the same step with x replicated instead of sharded, so that every device does every
+             row: what replicated work costs, measured rather than inferred (a step that all-
+             gathered its rows would cost about this);
+  gathers:   all-gather ops in the compiled sharded program (0: no operand is gathered);
+  ours/jnp:  our sharded wall time over the jnp reference's on the same mesh.
 """
 
 from __future__ import annotations
@@ -15,6 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -26,6 +44,8 @@ from rmsnorm_ffi import rms_norm, rms_norm_reference
 
 SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128)]
 DTYPES = ["float32", "bfloat16"]
+SHARDED_SHAPES = [(1024, 4096), (16384, 1024)]  # float32; rows divisible by the devices
+SHARDED_QUICK = [(256, 1024)]
 
 
 def variants(dtype):
@@ -73,14 +93,118 @@ def measure(shape, dtype, reps):
     return {k: v * 1e3 for k, v in best.items()}  # ms
 
 
+def best_times(fns: dict, args: dict, reps: int) -> dict:
+    """Best wall time (ms) of each `fns[name](*args[name])`, the order shuffled every round."""
+    for name, fn in fns.items():
+        for _ in range(3):
+            jax.block_until_ready(fn(*args[name]))
+    best = {name: float("inf") for name in fns}
+    order = list(fns)
+    rng = np.random.default_rng(0)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name](*args[name]))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {k: v * 1e3 for k, v in best.items()}
+
+
+def all_gathers(hlo: str) -> int:
+    return len(re.findall(r"\ball-gather(-start)?\(", hlo))
+
+
+def sharded_worker(devices: int, shapes, reps: int) -> list[dict]:
+    """The sharded case (runs in the subprocess that has `devices` host devices): one dict per
+    shape and mesh kind, times in ms."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.device_count() == devices, (jax.device_count(), devices)
+    norms = {"ours": rms_norm, "jnp": rms_norm_reference}
+
+    def step(norm):
+        return jax.jit(jax.grad(lambda x, w, dy: jnp.sum(norm(x, w) * dy), argnums=(0, 1)))
+
+    rows = []
+    for shape in shapes:
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+        dy = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+        w = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), shape[-1:], jnp.float32)
+        # Every variant of this shape is timed in one shuffled loop, so drift hits them alike:
+        # the whole batch on one device, then per mesh kind sharded and replicated x.
+        one = [jax.device_put(a, jax.devices()[0]) for a in (x, w, dy)]
+        fns = {(impl, "one device"): step(norm).lower(*one).compile() for impl, norm in norms.items()}
+        fn_args = {key: one for key in fns}
+        gathers = {}
+        for kind, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
+            mesh = jax.make_mesh((devices,), ("data",), axis_types=(axis_type,))
+            with jax.set_mesh(mesh):
+                put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+                operands = {"sharded": [put(x, "data"), put(w), put(dy, "data")], "replicated": [put(x), put(w), put(dy)]}
+                for impl, norm in norms.items():
+                    for variant, args in operands.items():
+                        compiled = step(norm).lower(*args).compile()
+                        fns[impl, kind, variant], fn_args[impl, kind, variant] = compiled, args
+                        if variant == "sharded":
+                            gathers[impl, kind] = all_gathers(compiled.as_text())
+        t = best_times(fns, fn_args, reps)
+        for kind in ("explicit", "auto"):
+            for impl in norms:
+                rows.append({
+                    "shape": list(shape), "mesh": kind, "impl": impl, "devices": devices,
+                    "wall ms": t[impl, kind, "sharded"], "one device ms": t[impl, "one device"],
+                    "replicated ms": t[impl, kind, "replicated"], "all_gathers": gathers[impl, kind],
+                    **({"jnp wall ms": t["jnp", kind, "sharded"]} if impl == "ours" else {}),
+                })
+    return rows
+
+
+def run_sharded(devices: int, quick: bool, reps: int) -> list[dict]:
+    """Runs `sharded_worker` in a fresh interpreter with `devices` forced host devices and
+    prints its lines; returns its rows."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip())
+    command = [sys.executable, os.path.abspath(__file__), "--sharded-worker", str(devices), "--reps", str(reps)]
+    if quick:
+        command.append("--quick")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"sharded benchmark failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    print()
+    print(f"sharded fwd+bwd (jax.grad of sum(norm(x, w) * dy) in x and w), float32, {devices} host devices, "
+          f"rows sharded P('data'), best of {reps}")
+    print(f"  wall = wall time of one step on all {devices} devices (not per device; they share this machine's "
+          f"{os.cpu_count()} cores); /1dev = wall / the same step on one device (whole batch); "
+          f"repl = x replicated instead, so every device does every row: replicated work costs that")
+    for row in rows:
+        print(
+            f"  {'x'.join(map(str, row['shape'])):>11} {row['mesh']:>8} {row['impl']:>4} | "
+            f"wall {row['wall ms']:8.3f} ms  /1dev {row['wall ms'] / row['one device ms']:5.2f}x "
+            f"(1dev {row['one device ms']:8.3f} ms)  repl {row['replicated ms']:8.3f} ms | "
+            f"all-gathers {row['all_gathers']}"
+            + (f" | ours/jnp {row['wall ms'] / row['jnp wall ms']:5.2f}x" if "jnp wall ms" in row else ""),
+            flush=True,
+        )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=30, help="timed runs per variant (best is kept)")
     parser.add_argument("--out", default="bench/out", help="folder for results.json and rmsnorm_cpu.png")
     parser.add_argument("--quick", action="store_true", help="small shapes only, few reps (smoke test)")
+    parser.add_argument("--sharded-devices", type=int, default=4,
+                        help="host devices for the sharded case (default 4; 0 skips it)")
+    parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shapes = [(8, 128), (64, 256)] if args.quick else SHAPES
     reps = 3 if args.quick else args.reps
+    if args.sharded_worker:
+        rows = sharded_worker(args.sharded_worker, SHARDED_QUICK if args.quick else SHARDED_SHAPES, reps)
+        print(json.dumps(rows))
+        return
+    shapes = [(8, 128), (64, 256)] if args.quick else SHAPES
     os.makedirs(args.out, exist_ok=True)
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, best of {reps}")
@@ -111,8 +235,10 @@ def main():
                 f"{t['fwd+bwd floor']:8.3f} {t['fwd+bwd jnp']:8.3f}",
                 flush=True,
             )
+    sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
+        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "sharded": sharded,
+                   "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
     plot(rows, os.path.join(args.out, "rmsnorm_cpu.png"))
 
 
