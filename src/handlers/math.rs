@@ -7,8 +7,13 @@
 //! `dx = rstd * (g - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`.
 //!
 //! Elements are widened to the accumulator type (f32, or f64 for f64 input) on load and
-//! narrowed on store. Sums use [`LANES`] independent accumulators added in a fixed tree order,
-//! so they vectorize, and so the result does not depend on the instruction set that runs them.
+//! narrowed on store. Sums along a row use [`LANES`] independent accumulators, so they
+//! vectorize, in two levels ([`RowSum`]): each lane sums [`SUM_BLOCK`]` / LANES` elements in the
+//! accumulator type, then adds that block sum into a compensated float64 lane. So the error does
+//! not grow with the row length (a float32 sum along 2^24 elements was off by thousands of
+//! eps), and the result is the same on every instruction set (a fixed order, no fused
+//! multiply-add). Weight gradients accumulate over rows in [`Accum::Wide`] (float64, or a
+//! compensated float64 pair for float64 input), for the same reason along the other axis.
 //! Every function here is `#[inline(always)]`: it is compiled into the caller's SIMD context
 //! (see `cpu::simd`).
 
@@ -39,16 +44,92 @@ pub trait Accum:
     const ONE: Self;
     const NAN: Self;
     fn from_usize(n: usize) -> Self;
+    /// The weight-gradient accumulator over rows.
+    type Wide: WideSum;
     fn from_f32(v: f32) -> Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
     fn sqrt(self) -> Self;
     fn load<E: Element>(e: E) -> Self;
     fn store<E: Element>(self) -> E;
+}
+
+/// A sum over many terms, kept wider than the terms: float64 for float32 terms (their rounding
+/// errors are far below float32's), a compensated pair for float64 terms.
+pub trait WideSum: Copy + Default + Send + Sync + 'static {
+    fn add(self, v: f64) -> Self;
+    fn merge(self, other: Self) -> Self;
+    fn value(self) -> f64;
+}
+
+impl WideSum for f64 {
+    #[inline(always)]
+    fn add(self, v: f64) -> Self {
+        self + v
+    }
+    #[inline(always)]
+    fn merge(self, other: Self) -> Self {
+        self + other
+    }
+    #[inline(always)]
+    fn value(self) -> f64 {
+        self
+    }
+}
+
+/// A float64 sum with its rounding error carried alongside (Knuth's TwoSum), for float64
+/// terms: the error of the sum stays near one float64 eps however many terms there are.
+#[derive(Clone, Copy, Default, Debug)]
+#[repr(C)]
+pub struct Compensated {
+    hi: f64,
+    lo: f64,
+}
+
+/// `a + b` and its exact rounding error.
+#[inline(always)]
+fn two_sum(a: f64, b: f64) -> (f64, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, (a - (s - bb)) + (b - bb))
+}
+
+impl WideSum for Compensated {
+    #[inline(always)]
+    fn add(self, v: f64) -> Self {
+        let (hi, e) = two_sum(self.hi, v);
+        Compensated {
+            hi,
+            lo: self.lo + e,
+        }
+    }
+    #[inline(always)]
+    fn merge(self, other: Self) -> Self {
+        let (hi, e) = two_sum(self.hi, other.hi);
+        Compensated {
+            hi,
+            lo: self.lo + other.lo + e,
+        }
+    }
+    #[inline(always)]
+    fn value(self) -> f64 {
+        self.hi + self.lo
+    }
 }
 
 impl Accum for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NAN: Self = f32::NAN;
+    type Wide = f64;
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
     #[inline(always)]
     fn from_usize(n: usize) -> Self {
         n as f32
@@ -75,6 +156,15 @@ impl Accum for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NAN: Self = f64::NAN;
+    type Wide = Compensated;
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
     #[inline(always)]
     fn from_usize(n: usize) -> Self {
         n as f64
@@ -200,35 +290,91 @@ impl Element for f16 {
     }
 }
 
-/// Adds the [`LANES`] partial sums in a fixed tree order.
-#[inline(always)]
-fn tree_sum<A: Accum>(mut acc: [A; LANES]) -> A {
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            acc[i] = acc[i] + acc[i + width];
+/// Elements of a row summed in the accumulator type before they join the float64 lanes.
+pub const SUM_BLOCK: usize = 256;
+/// `LANES`-wide chunks per block.
+const BLOCK_CHUNKS: usize = SUM_BLOCK / LANES;
+
+/// A sum along a row in two levels: [`LANES`] accumulators in `A` (what the SIMD loops add
+/// into), flushed every [`SUM_BLOCK`] elements into [`LANES`] compensated float64 lanes. The
+/// loops call [`RowSum::chunk_done`] after each `LANES`-wide chunk and [`RowSum::total`] at the
+/// end, so every loop that sums a row flushes at the same elements (and so gives the same bits).
+#[derive(Clone, Copy)]
+pub struct RowSum<A> {
+    pub lanes: [A; LANES],
+    hi: [f64; LANES],
+    lo: [f64; LANES],
+    chunks: usize,
+}
+
+impl<A: Accum> RowSum<A> {
+    #[inline(always)]
+    pub fn new() -> Self {
+        RowSum {
+            lanes: [A::ZERO; LANES],
+            hi: [0.0; LANES],
+            lo: [0.0; LANES],
+            chunks: 0,
         }
-        width /= 2;
     }
-    acc[0]
+
+    #[inline(always)]
+    fn flush(&mut self) {
+        for l in 0..LANES {
+            let (hi, e) = two_sum(self.hi[l], self.lanes[l].to_f64());
+            self.hi[l] = hi;
+            self.lo[l] += e;
+            self.lanes[l] = A::ZERO;
+        }
+    }
+
+    /// One more `LANES`-wide chunk has been added to `lanes`.
+    #[inline(always)]
+    pub fn chunk_done(&mut self) {
+        self.chunks += 1;
+        if self.chunks == BLOCK_CHUNKS {
+            self.chunks = 0;
+            self.flush();
+        }
+    }
+
+    /// The sum, in float64 (after the row's tail has been added to `lanes`).
+    #[inline(always)]
+    pub fn total(mut self) -> f64 {
+        self.flush();
+        let (mut sum, mut err) = (0.0f64, 0.0f64);
+        for l in 0..LANES {
+            let (s, e) = two_sum(sum, self.hi[l]);
+            sum = s;
+            err += e + self.lo[l];
+        }
+        sum + err
+    }
 }
 
 /// `sum(x^2)`.
 #[inline(always)]
-pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> A {
-    let mut acc = [A::ZERO; LANES];
+pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
+    let mut sum = RowSum::<A>::new();
     let (blocks, tail) = x.as_chunks::<LANES>();
     for block in blocks {
-        for (a, &e) in acc.iter_mut().zip(block) {
+        for (a, &e) in sum.lanes.iter_mut().zip(block) {
             let v = A::load(e);
             *a = *a + v * v;
         }
+        sum.chunk_done();
     }
-    for (a, &e) in acc.iter_mut().zip(tail) {
+    for (a, &e) in sum.lanes.iter_mut().zip(tail) {
         let v = A::load(e);
         *a = *a + v * v;
     }
-    tree_sum(acc)
+    sum.total()
+}
+
+/// `1 / sqrt(sum_sq / n + eps)`, taken in float64 and rounded once to `A`.
+#[inline(always)]
+fn rstd_of<A: Accum>(sum_sq: f64, n: usize, eps: A) -> A {
+    A::from_f64(1.0 / (sum_sq / n as f64 + eps.to_f64()).sqrt())
 }
 
 /// `1 / sqrt(mean(x^2) + eps)`; NaN for an empty row, as `jnp.mean` of nothing.
@@ -237,8 +383,7 @@ pub fn rstd<T: Element, A: Accum>(x: &[T], eps: A) -> A {
     if x.is_empty() {
         return A::NAN;
     }
-    let mean = sum_squares::<T, A>(x) / A::from_usize(x.len());
-    A::ONE / (mean + eps).sqrt()
+    rstd_of(sum_squares::<T, A>(x), x.len(), eps)
 }
 
 /// One row of the forward pass; returns the row's `rstd`.
@@ -272,7 +417,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
         rstd.fill(A::NAN);
         return;
     }
-    let finish = |ss: A| A::ONE / (ss / A::from_usize(n) + eps).sqrt();
+    let finish = |ss: f64| rstd_of(ss, n, eps);
     let mut next = match x.get(..n) {
         Some(first) if rows > 0 => finish(sum_squares::<T, A>(first)),
         _ => return,
@@ -287,7 +432,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             forward_scale(xr, w_of(i), r, yr);
             break;
         };
-        let mut acc = [A::ZERO; LANES];
+        let mut sum = RowSum::<A>::new();
         let (xb, xt) = xr.as_chunks::<LANES>();
         let (nb, nt) = xn.as_chunks::<LANES>();
         let (yb, yt) = yr.as_chunks_mut::<LANES>();
@@ -295,19 +440,24 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             Some(w) => {
                 let (wb, wt) = w.as_chunks::<LANES>();
                 for (((ys, xs), ws), ns) in yb.iter_mut().zip(xb).zip(wb).zip(nb) {
-                    for ((((o, &xi), &wi), &ni), a) in
-                        ys.iter_mut().zip(xs).zip(ws).zip(ns).zip(acc.iter_mut())
+                    for ((((o, &xi), &wi), &ni), a) in ys
+                        .iter_mut()
+                        .zip(xs)
+                        .zip(ws)
+                        .zip(ns)
+                        .zip(sum.lanes.iter_mut())
                     {
                         *o = (A::load(xi) * r * A::load(wi)).store();
                         let v = A::load(ni);
                         *a = *a + v * v;
                     }
+                    sum.chunk_done();
                 }
                 for (((o, &xi), &wi), (&ni, a)) in yt
                     .iter_mut()
                     .zip(xt)
                     .zip(wt)
-                    .zip(nt.iter().zip(acc.iter_mut()))
+                    .zip(nt.iter().zip(sum.lanes.iter_mut()))
                 {
                     *o = (A::load(xi) * r * A::load(wi)).store();
                     let v = A::load(ni);
@@ -316,13 +466,19 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             }
             None => {
                 for ((ys, xs), ns) in yb.iter_mut().zip(xb).zip(nb) {
-                    for (((o, &xi), &ni), a) in ys.iter_mut().zip(xs).zip(ns).zip(acc.iter_mut()) {
+                    for (((o, &xi), &ni), a) in
+                        ys.iter_mut().zip(xs).zip(ns).zip(sum.lanes.iter_mut())
+                    {
                         *o = (A::load(xi) * r).store();
                         let v = A::load(ni);
                         *a = *a + v * v;
                     }
+                    sum.chunk_done();
                 }
-                for ((o, &xi), (&ni, a)) in yt.iter_mut().zip(xt).zip(nt.iter().zip(acc.iter_mut()))
+                for ((o, &xi), (&ni, a)) in yt
+                    .iter_mut()
+                    .zip(xt)
+                    .zip(nt.iter().zip(sum.lanes.iter_mut()))
                 {
                     *o = (A::load(xi) * r).store();
                     let v = A::load(ni);
@@ -330,7 +486,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 }
             }
         }
-        next = finish(tree_sum(acc));
+        next = finish(sum.total());
     }
 }
 
@@ -362,34 +518,42 @@ fn grad_out<T: Element, W: Element, A: Accum>(dy: T, w: Option<W>) -> A {
 
 /// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
 #[inline(always)]
-fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> A {
-    let mut acc = [A::ZERO; LANES];
+fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> f64 {
+    let mut sum = RowSum::<A>::new();
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
     match w {
         Some(w) => {
             let (wb, wt) = w.as_chunks::<LANES>();
             for ((xs, ds), ws) in xb.iter().zip(db).zip(wb) {
-                for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xs).zip(ds).zip(ws) {
+                for (((a, &xi), &di), &wi) in sum.lanes.iter_mut().zip(xs).zip(ds).zip(ws) {
                     *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
                 }
+                sum.chunk_done();
             }
-            for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xt).zip(dt).zip(wt) {
+            for (((a, &xi), &di), &wi) in sum.lanes.iter_mut().zip(xt).zip(dt).zip(wt) {
                 *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
             }
         }
         None => {
             for (xs, ds) in xb.iter().zip(db) {
-                for ((a, &xi), &di) in acc.iter_mut().zip(xs).zip(ds) {
+                for ((a, &xi), &di) in sum.lanes.iter_mut().zip(xs).zip(ds) {
                     *a = *a + A::load(di) * (A::load(xi) * r);
                 }
+                sum.chunk_done();
             }
-            for ((a, &xi), &di) in acc.iter_mut().zip(xt).zip(dt) {
+            for ((a, &xi), &di) in sum.lanes.iter_mut().zip(xt).zip(dt) {
                 *a = *a + A::load(di) * (A::load(xi) * r);
             }
         }
     }
-    tree_sum(acc)
+    sum.total()
+}
+
+/// `mean(g * xhat)` of a row of `n`, rounded once to `A`.
+#[inline(always)]
+fn mean_of<A: Accum>(sum: f64, n: usize) -> A {
+    A::from_f64(sum / n as f64)
 }
 
 /// One row of the backward pass: writes `dx` and, when `dw_acc` is given, adds this row's
@@ -401,13 +565,13 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
     r: A,
     dy: &[T],
     dx: &mut [T],
-    dw_acc: Option<&mut [A]>,
+    dw_acc: Option<&mut [A::Wide]>,
 ) {
     let n = x.len();
     if n == 0 {
         return;
     }
-    let c = dot_g_xhat(x, w, dy, r) / A::from_usize(n);
+    let c = mean_of::<A>(dot_g_xhat(x, w, dy, r), n);
     backward_second_pass(x, w, r, c, dy, dx, dw_acc);
 }
 
@@ -421,7 +585,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
     c: A,
     dy: &[T],
     dx: &mut [T],
-    dw_acc: Option<&mut [A]>,
+    dw_acc: Option<&mut [A::Wide]>,
 ) {
     match (w, dw_acc) {
         (Some(w), Some(acc)) => {
@@ -431,7 +595,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
                 let xhat = A::load(xi) * r;
                 let d = A::load(di);
                 *o = (r * (d * A::load(wi) - xhat * c)).store();
-                *a = *a + d * xhat;
+                *a = a.add((d * xhat).to_f64());
             }
         }
         (Some(w), None) => {
@@ -447,7 +611,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
             }
             if let Some(acc) = acc {
                 for ((a, &xi), &di) in acc.iter_mut().zip(x).zip(dy) {
-                    *a = *a + A::load(di) * (A::load(xi) * r);
+                    *a = a.add((A::load(di) * (A::load(xi) * r)).to_f64());
                 }
             }
         }
@@ -466,15 +630,14 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     w: &[W],
     rstd: &[A],
     dx: &mut [T],
-    acc: &mut [A],
+    acc: &mut [A::Wide],
 ) {
     let rows = rstd.len();
     if n == 0 || rows == 0 {
         return;
     }
-    let nn = A::from_usize(n);
     let row = |i: usize| i * n..(i + 1) * n;
-    let dot = |i: usize| dot_g_xhat(&x[row(i)], Some(w), &dy[row(i)], rstd[i]) / nn;
+    let dot = |i: usize| mean_of::<A>(dot_g_xhat(&x[row(i)], Some(w), &dy[row(i)], rstd[i]), n);
     let mut c = [dot(0), if rows > 1 { dot(1) } else { A::ZERO }];
     let mut i = 0;
     while i + 1 < rows {
@@ -487,8 +650,8 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             let (r2, r3) = (rstd[i + 2], rstd[i + 3]);
             let (x2, x3) = (&x[row(i + 2)], &x[row(i + 3)]);
             let (d2, d3) = (&dy[row(i + 2)], &dy[row(i + 3)]);
-            let mut s2 = [A::ZERO; LANES];
-            let mut s3 = [A::ZERO; LANES];
+            let mut s2 = RowSum::<A>::new();
+            let mut s3 = RowSum::<A>::new();
             let (wb, wt) = w.as_chunks::<LANES>();
             let (ab, at) = acc.as_chunks_mut::<LANES>();
             let (x0b, x0t) = x0.as_chunks::<LANES>();
@@ -519,10 +682,12 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                     let h1 = A::load(xs1[l]) * r1;
                     let g1 = A::load(ds1[l]);
                     os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
-                    accs[l] = accs[l] + g0 * h0 + g1 * h1;
-                    s2[l] = s2[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
-                    s3[l] = s3[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
+                    accs[l] = accs[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
+                    s2.lanes[l] = s2.lanes[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
+                    s3.lanes[l] = s3.lanes[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
                 }
+                s2.chunk_done();
+                s3.chunk_done();
             }
             for l in 0..wt.len() {
                 let wl = A::load(wt[l]);
@@ -532,11 +697,11 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                 let h1 = A::load(x1t[l]) * r1;
                 let g1 = A::load(d1t[l]);
                 o1t[l] = (r1 * (g1 * wl - h1 * c1)).store();
-                at[l] = at[l] + g0 * h0 + g1 * h1;
-                s2[l] = s2[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
-                s3[l] = s3[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
+                at[l] = at[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
+                s2.lanes[l] = s2.lanes[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
+                s3.lanes[l] = s3.lanes[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
             }
-            c = [tree_sum(s2) / nn, tree_sum(s3) / nn];
+            c = [mean_of::<A>(s2.total(), n), mean_of::<A>(s3.total(), n)];
         } else {
             backward_second_pass(x0, Some(w), r0, c0, d0, o0, Some(&mut *acc));
             backward_second_pass(x1, Some(w), r1, c1, d1, o1, Some(&mut *acc));
@@ -569,7 +734,7 @@ pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     w_of: impl Fn(usize) -> Option<&'w [W]>,
     rstd: &[A],
     dx: &mut [T],
-    mut acc: Option<&mut [A]>,
+    mut acc: Option<&mut [A::Wide]>,
 ) {
     if n == 0 {
         return;
@@ -636,7 +801,7 @@ mod tests {
             assert!((y[j] as f64 - want).abs() < 1e-5, "{j}");
         }
         let mut dx = vec![0.0f32; n];
-        let mut dw = vec![0.0f32; n];
+        let mut dw = vec![0.0f64; n];
         backward_row::<f32, f32, f32>(&x, Some(&w), r, &dy, &mut dx, Some(&mut dw));
         let c: f64 = (0..n)
             .map(|j| dy[j] as f64 * w[j] as f64 * x[j] as f64 * r64)

@@ -16,7 +16,10 @@ pub mod simd;
 use half::{bf16, f16};
 
 use super::error::HandlerError;
-use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
+use super::math::{
+    backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated, Element,
+    WideSum,
+};
 use super::operands::{
     backward_operands, check_eps, check_row_len, forward_operands, BackwardOperands,
     ForwardOperands, Layout, X_DTYPES,
@@ -61,9 +64,10 @@ pub struct BackwardState {
     has_weight: bool,
     row_len: usize,
     jobs: ParallelJobs,
-    /// Weight-gradient partial rows, one per chunk (f32 accumulation; f64 for f64 input).
-    partials_f32: WorkspacePool<f32>,
-    partials_f64: WorkspacePool<f64>,
+    /// Weight-gradient partial rows, one per chunk: float64 sums of float32 terms, and
+    /// compensated float64 sums of float64 terms (`math::Accum::Wide`).
+    partials_f32: WorkspacePool<f64>,
+    partials_f64: WorkspacePool<Compensated>,
 }
 crate::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 
@@ -301,7 +305,7 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
     /// Rows `first..` (as many as `dx_rows` holds): two rows per loop when they share one
     /// weight row and accumulate its gradient (`math::backward_rows_paired`), else row by row.
     #[inline(always)]
-    fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A]>) {
+    fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A::Wide]>) {
         let n = self.n;
         let count = dx_rows.len() / n;
         let span = first * n..(first + count) * n;
@@ -339,7 +343,7 @@ impl BackwardCall<'_, '_, '_> {
     fn run<T: Element, W: Element, A: Accum>(
         &self,
         ops: BackwardOperands<'_, '_>,
-        partials: &WorkspacePool<A>,
+        partials: &WorkspacePool<A::Wide>,
     ) -> FfiResult<()> {
         let Layout { rows, n, groups } = self.layout;
         let x = ops.x.as_slice::<T>()?;
@@ -417,11 +421,11 @@ impl BackwardCall<'_, '_, '_> {
                             .zip(dw.chunks_exact_mut(n))
                             .enumerate()
                         {
-                            acc.fill(A::ZERO);
+                            acc.fill(A::Wide::default());
                             let first_row = (first_group + gi) * per_group;
                             inputs.rows_from(first_row, dx_group, Some(&mut *acc));
                             for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                                *o = a.store();
+                                *o = W::from_f64(a.value());
                             }
                         }
                     },
@@ -445,7 +449,7 @@ impl BackwardCall<'_, '_, '_> {
                 kernel.run(
                     #[inline(always)]
                     || {
-                        acc.fill(A::ZERO);
+                        acc.fill(A::Wide::default());
                         inputs.rows_from(first, dx, Some(&mut *acc));
                     },
                 )
@@ -465,19 +469,19 @@ impl BackwardCall<'_, '_, '_> {
                     // a stack buffer: contiguous loads that vectorize. (A block of the plan can
                     // be wider than REDUCE_BLOCK for long rows: the plan has at most
                     // MAX_CHUNKS blocks.)
-                    let mut buffer = [A::ZERO; REDUCE_BLOCK];
+                    let mut buffer = [A::Wide::default(); REDUCE_BLOCK];
                     for (k, out) in out.chunks_mut(REDUCE_BLOCK).enumerate() {
                         let col = first + k * REDUCE_BLOCK;
                         let sum = &mut buffer[..out.len()];
-                        sum.fill(A::ZERO);
+                        sum.fill(A::Wide::default());
                         for c in 0..chunks {
                             let row = &partial[c * n + col..][..sum.len()];
                             for (s, &p) in sum.iter_mut().zip(row) {
-                                *s = *s + p;
+                                *s = s.merge(p);
                             }
                         }
                         for (o, &s) in out.iter_mut().zip(sum.iter()) {
-                            *o = s.store();
+                            *o = W::from_f64(s.value());
                         }
                     }
                 },
