@@ -113,7 +113,12 @@ impl WideSum for Compensated {
     }
     #[inline(always)]
     fn value(self) -> f64 {
-        self.hi + self.lo
+        // An infinite sum has a NaN error term (inf - inf): the sum alone is the answer.
+        if self.hi.is_finite() {
+            self.hi + self.lo
+        } else {
+            self.hi
+        }
     }
 }
 
@@ -307,6 +312,13 @@ pub struct RowSum<A> {
     chunks: usize,
 }
 
+impl<A: Accum> Default for RowSum<A> {
+    #[inline(always)]
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<A: Accum> RowSum<A> {
     #[inline(always)]
     pub fn new() -> Self {
@@ -348,7 +360,13 @@ impl<A: Accum> RowSum<A> {
             sum = s;
             err += e + self.lo[l];
         }
-        sum + err
+        // An infinite sum has NaN error terms (inf - inf): the sum alone is the answer, as a
+        // plain sum would give (NaN stays NaN either way).
+        if sum.is_finite() {
+            sum + err
+        } else {
+            sum
+        }
     }
 }
 
