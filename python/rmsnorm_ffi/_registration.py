@@ -17,6 +17,7 @@ from rmsnorm_ffi import _native
 
 _lock = threading.Lock()
 _registered: tuple[str, ...] | None = None
+_targets: dict[str, frozenset[str]] = {}
 
 
 def _available_platforms() -> list[str]:
@@ -51,10 +52,17 @@ def register() -> tuple[str, ...]:
         for platform in platforms:
             for name, registration in _native.state_types(platform).items():
                 jax.ffi.register_ffi_type(name, registration, platform=platform)
-            for target, stages in _native.registrations(platform).items():
+            bundles = _native.registrations(platform)
+            for target, stages in bundles.items():
                 jax.ffi.register_ffi_target(target, stages, platform=platform)
+            _targets[platform] = frozenset(bundles)
         _registered = tuple(platforms)
         return _registered
+
+
+def registered_targets(platform: str) -> frozenset[str]:
+    """The FFI targets registered for `platform` (empty before :func:`register`)."""
+    return _targets.get(platform, frozenset())
 
 
 def registered_platforms() -> tuple[str, ...]:

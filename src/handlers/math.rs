@@ -508,6 +508,16 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     }
 }
 
+/// `h = x + residual`, each sum rounded to `T` (as XLA rounds `x + residual`: half precision
+/// through float32, whose sum of two half-precision values is exact or, far apart in
+/// magnitude, rounds below half a unit of the result).
+#[inline(always)]
+pub fn add_into<T: Element, A: Accum>(x: &[T], residual: &[T], h: &mut [T]) {
+    for ((o, &a), &b) in h.iter_mut().zip(x).zip(residual) {
+        *o = (A::load(a) + A::load(b)).store();
+    }
+}
+
 /// `y = x * r * w` (or `x * r`) for one row.
 #[inline(always)]
 fn forward_scale<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, r: A, y: &mut [T]) {

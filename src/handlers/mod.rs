@@ -16,6 +16,7 @@ use crate::ffi::{BundleDef, StateTypeRegistration};
 const CPU_BUNDLES: &[BundleDef] = &[
     cpu::FORWARD_BUNDLE,
     cpu::BACKWARD_BUNDLE,
+    cpu::RESIDUAL_BUNDLE,
     scaled_copy::BUNDLE,
     testing::STAGES_BUNDLE,
     testing::CONTEXT_BUNDLE,

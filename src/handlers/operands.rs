@@ -215,6 +215,64 @@ pub fn forward_operands<'a, 'r>(
     })
 }
 
+/// The checked operands of one `rmsnorm_residual_fwd` call: x, the residual, the optional
+/// weight, and the results y, h (= x + residual) and rstd.
+pub struct ResidualOperands<'a, 'r> {
+    pub forward: ForwardOperands<'a, 'r>,
+    pub residual: AnyBuffer<'a>,
+    pub h: AnyResult<'r>,
+}
+
+/// Decodes and checks a fused residual-add forward call: arguments (x, residual, [weight]),
+/// results (y, h, rstd); the residual and h of x's dtype and shape, the rest as for
+/// [`forward_operands`].
+pub fn residual_operands<'a, 'r>(
+    args: &ArgsView<'a>,
+    rets: &mut ResultList<'r>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<ResidualOperands<'a, 'r>> {
+    count("arguments", args.len(), 2 + has_weight as usize)?;
+    count("results", rets.len(), 3)?;
+    let x = args.get(0)?;
+    let (rows, n) = check_x(&x, row_len)?;
+    let residual = args.get(1)?;
+    expect(
+        residual.operand(),
+        residual.dtype(),
+        residual.dims(),
+        x.dtype(),
+        x.dims(),
+    )?;
+    let w = if has_weight { Some(args.get(2)?) } else { None };
+    let groups = match &w {
+        Some(w) => check_weight(&x, w)?,
+        None => 1,
+    };
+    let (y, h, rstd) = (result(rets, 0)?, result(rets, 1)?, result(rets, 2)?);
+    expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
+    expect(h.operand(), h.dtype(), h.dims(), x.dtype(), x.dims())?;
+    let lead = &x.dims()[..x.rank() - 1];
+    expect(
+        rstd.operand(),
+        rstd.dtype(),
+        rstd.dims(),
+        acc_dtype(x.dtype()),
+        lead,
+    )?;
+    Ok(ResidualOperands {
+        forward: ForwardOperands {
+            x,
+            w,
+            y,
+            rstd,
+            layout: Layout { rows, n, groups },
+        },
+        residual,
+        h,
+    })
+}
+
 /// The checked operands of one `rmsnorm_bwd` call.
 pub struct BackwardOperands<'a, 'r> {
     pub x: AnyBuffer<'a>,

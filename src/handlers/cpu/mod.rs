@@ -17,12 +17,12 @@ use half::{bf16, f16};
 
 use super::error::HandlerError;
 use super::math::{
-    backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated, Element,
-    WideSum,
+    add_into, backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated,
+    Element, WideSum,
 };
 use super::operands::{
-    backward_operands, check_eps, check_row_len, forward_operands, BackwardOperands,
-    ForwardOperands, Layout, X_DTYPES,
+    backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
+    BackwardOperands, ForwardOperands, Layout, ResidualOperands, X_DTYPES,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
@@ -36,6 +36,7 @@ use simd::Kernel;
 
 pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
 pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
+pub const RESIDUAL_TARGET: &str = "rmsnorm_residual_fwd";
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
 
@@ -77,18 +78,41 @@ impl Bundle for Forward {
     type State = ForwardState;
 }
 
-impl Instantiate for Forward {
-    type Attrs<'a> = ForwardAttrs;
-    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+impl ForwardState {
+    fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
         check_eps(attrs.eps)?;
         Ok(ForwardState {
-            live: LiveState::register(FORWARD_TARGET, "rmsnorm_ffi.RmsNormForwardState"),
+            live: LiveState::register(target, "rmsnorm_ffi.RmsNormForwardState"),
             kernel: Kernel::detect(),
             eps: attrs.eps,
             has_weight: attrs.has_weight,
             row_len: check_row_len(attrs.row_len)?,
             jobs: ParallelJobs::new(),
         })
+    }
+}
+
+impl Instantiate for Forward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+        ForwardState::new(FORWARD_TARGET, attrs)
+    }
+}
+
+/// The residual add fused with the forward: `h = x + residual` (rounded to x's dtype, as
+/// XLA rounds `x + residual`), then the forward of `h`, chunk by chunk, so x and the residual
+/// are read from memory once and `h` is read back from cache. Same state and attributes as
+/// [`Forward`].
+pub struct ResidualForward;
+impl Bundle for ResidualForward {
+    const TARGET: &'static str = RESIDUAL_TARGET;
+    type State = ForwardState;
+}
+
+impl Instantiate for ResidualForward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+        ForwardState::new(RESIDUAL_TARGET, attrs)
     }
 }
 
@@ -167,26 +191,67 @@ impl Execute for Forward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let ForwardOperands {
-            x,
-            w,
-            y,
-            rstd,
-            layout,
-        } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        let call = ForwardCall { state, ctx, layout };
-        match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
-            (DataType::F32, None | Some(DataType::F32)) => call.run::<f32, f32, f32>(x, w, y, rstd),
-            (DataType::F64, None | Some(DataType::F64)) => call.run::<f64, f64, f64>(x, w, y, rstd),
-            (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(x, w, y, rstd),
-            (DataType::BF16, None | Some(DataType::BF16)) => {
-                call.run::<bf16, bf16, f32>(x, w, y, rstd)
-            }
-            (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(x, w, y, rstd),
-            (DataType::F16, None | Some(DataType::F16)) => call.run::<f16, f16, f32>(x, w, y, rstd),
-            (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(x, w, y, rstd),
-            (other, _) => Err(HandlerError::dtype(x.operand(), &X_DTYPES, other).into()),
+        let ops = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        forward_dispatch(state, ctx, ops, None)
+    }
+}
+
+impl Execute for ResidualForward {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ResultList<'a>;
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &ForwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_>,
+        mut rets: ResultList<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        let ResidualOperands {
+            forward,
+            residual,
+            h,
+        } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        forward_dispatch(state, ctx, forward, Some((residual, h)))
+    }
+}
+
+/// The residual operand and the `h` result of a fused call.
+type Residual<'a, 'r> = Option<(AnyBuffer<'a>, AnyResult<'r>)>;
+
+fn forward_dispatch(
+    state: &ForwardState,
+    ctx: &Context<'_>,
+    ops: ForwardOperands<'_, '_>,
+    res: Residual<'_, '_>,
+) -> FfiResult<()> {
+    let ForwardOperands {
+        x,
+        w,
+        y,
+        rstd,
+        layout,
+    } = ops;
+    let call = ForwardCall { state, ctx, layout };
+    match (x.dtype(), w.as_ref().map(|w| w.dtype())) {
+        (DataType::F32, None | Some(DataType::F32)) => {
+            call.run::<f32, f32, f32>(x, w, y, rstd, res)
         }
+        (DataType::F64, None | Some(DataType::F64)) => {
+            call.run::<f64, f64, f64>(x, w, y, rstd, res)
+        }
+        (DataType::F64, Some(_)) => call.run::<f64, f32, f64>(x, w, y, rstd, res),
+        (DataType::BF16, None | Some(DataType::BF16)) => {
+            call.run::<bf16, bf16, f32>(x, w, y, rstd, res)
+        }
+        (DataType::BF16, Some(_)) => call.run::<bf16, f32, f32>(x, w, y, rstd, res),
+        (DataType::F16, None | Some(DataType::F16)) => {
+            call.run::<f16, f16, f32>(x, w, y, rstd, res)
+        }
+        (DataType::F16, Some(_)) => call.run::<f16, f32, f32>(x, w, y, rstd, res),
+        (other, _) => Err(HandlerError::dtype(x.operand(), &X_DTYPES, other).into()),
     }
 }
 
@@ -203,19 +268,29 @@ impl ForwardCall<'_, '_, '_> {
         w: Option<AnyBuffer<'_>>,
         y: AnyResult<'_>,
         rstd: AnyResult<'_>,
+        res: Residual<'_, '_>,
     ) -> FfiResult<()> {
         let Layout { rows, n, .. } = self.layout;
         let x = x.as_slice::<T>()?;
         let w = w.map(|w| w.as_slice::<W>()).transpose()?;
         let y = y.into_mut_slice::<T>()?;
         let rstd = rstd.into_mut_slice::<A>()?;
+        let res = match res {
+            Some((r, h)) => Some((r.as_slice::<T>()?, h.into_mut_slice::<T>()?)),
+            None => None,
+        };
         if n == 0 {
             rstd.fill(A::NAN);
             return Ok(());
         }
         let plan = Plan::split(rows, n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
-        let y_chunks = DisjointChunks::new(y, &plan.scaled(n)[..plan.count() + 1])?;
+        let element_bounds = &plan.scaled(n)[..plan.count() + 1];
+        let y_chunks = DisjointChunks::new(y, element_bounds)?;
         let rstd_chunks = DisjointChunks::new(rstd, plan.bounds())?;
+        let (residual, h_chunks) = match res {
+            Some((r, h)) => (Some(r), Some(DisjointChunks::new(h, element_bounds)?)),
+            None => (None, None),
+        };
         let eps = A::from_f32(self.state.eps);
         let per_group = self.layout.rows_per_group().max(1);
         let kernel = self.state.kernel;
@@ -224,20 +299,38 @@ impl ForwardCall<'_, '_, '_> {
                 return;
             };
             let first = plan.start(c);
+            let span = first * n..(first + rstd.len()) * n;
+            // The fused residual add writes this chunk's h, which the norm then reads (from
+            // cache) in place of x.
+            let h = match (residual, h_chunks.as_ref()) {
+                (Some(r), Some(h_chunks)) => match h_chunks.take(c) {
+                    Some(h) => Some((&r[span.clone()], h)),
+                    None => return,
+                },
+                _ => None,
+            };
             kernel.run(
                 #[inline(always)]
                 || {
+                    let x_rows: &[T] = match h {
+                        Some((r, h)) => {
+                            add_into::<T, A>(&x[span.clone()], r, h);
+                            h
+                        }
+                        None => &x[span.clone()],
+                    };
                     let w_of = |i: usize| w.map(|w| &w[((first + i) / per_group) * n..][..n]);
                     if std::mem::size_of::<T>() == 2 {
                         // Half precision is bound by conversions, not memory: overlapping the
                         // next row's sum with this row's write pays (bit-identical results).
-                        let x_rows = &x[first * n..(first + rstd.len()) * n];
                         forward_rows::<T, W, A>(x_rows, n, w_of, eps, y, rstd);
                     } else {
-                        for (i, (y_row, r)) in
-                            y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate()
+                        for (i, ((y_row, r), x_row)) in y
+                            .chunks_exact_mut(n)
+                            .zip(rstd.iter_mut())
+                            .zip(x_rows.chunks_exact(n))
+                            .enumerate()
                         {
-                            let x_row = &x[(first + i) * n..(first + i + 1) * n];
                             *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
                         }
                     }
@@ -494,6 +587,10 @@ impl BackwardCall<'_, '_, '_> {
 }
 
 pub const FORWARD_BUNDLE: BundleDef = BundleDef::of::<Forward>().instantiate().execute().build();
+pub const RESIDUAL_BUNDLE: BundleDef = BundleDef::of::<ResidualForward>()
+    .instantiate()
+    .execute()
+    .build();
 pub const BACKWARD_BUNDLE: BundleDef = BundleDef::of::<Backward>().instantiate().execute().build();
 
 #[cfg(test)]
