@@ -1,13 +1,14 @@
 """RMS norm benchmark suite: ours against the floor and the jnp reference, measured side by
 side in one run, reported as ratios.
 
-For each shape and dtype it times (best of --reps after warm-up, variants interleaved in a shuffled
-order so that drift and cache state hit them alike):
+For each shape and dtype it times --reps rounds after warm-up, each round timing every variant
+once in a new shuffled order, so that drift and cache state hit them alike:
   forward:          ours `rms_norm(x, w)`, floor `x * c`, jnp reference;
   forward+backward: ours `jax.vjp(rms_norm, x, w)` then the pullback, floor `x * dy * c`,
                     jnp reference the same way.
-The order of the variants is shuffled every round. The floor moves the same bytes with the same
-output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+Times are medians over the rounds; a ratio is the median over rounds of that round's ratio, printed
+with its 25th-75th percentile spread (the statistic the speed targets are stated in). The floor
+moves the same bytes with the same output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
 
 Then a sharded case, in a subprocess with --sharded-devices (default 4) forced host devices (the
 device count is fixed when JAX starts): the training-step shape of the norm, `jax.grad` in x and
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rmsnorm_ffi
-from rmsnorm_ffi import rms_norm, rms_norm_reference
+from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual
 
 SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128)]
 DTYPES = ["float32", "bfloat16"]
@@ -65,10 +66,17 @@ def variants(dtype):
         "fwd+bwd ours": (vjp_of(rms_norm), "x,w,dy"),
         "fwd+bwd floor": (jax.jit(lambda x, w, dy: x * dy * c), "x,w,dy"),
         "fwd+bwd jnp": (vjp_of(rms_norm_reference), "x,w,dy"),
+        # The residual add of a pre-norm block (dy stands in for the residual): fused, the
+        # add then our norm, the add then jnp's norm. Each returns (y, h).
+        "res fused": (jax.jit(lambda x, w, dy: rms_norm_residual(x, dy, w)), "x,w,dy"),
+        "res unfused": (jax.jit(lambda x, w, dy: (rms_norm(x + dy, w), x + dy)), "x,w,dy"),
+        "res jnp": (jax.jit(lambda x, w, dy: (rms_norm_reference(x + dy, w), x + dy)), "x,w,dy"),
     }
 
 
 def measure(shape, dtype, reps):
+    """Per variant, its wall time (ms) in each of `reps` rounds; every round times every
+    variant once, in a new shuffled order."""
     key = jax.random.key(0)
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
     dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
@@ -77,7 +85,7 @@ def measure(shape, dtype, reps):
     for fn, _ in fns.values():  # compile and warm up
         for _ in range(3):
             jax.block_until_ready(fn(x, w, dy))
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     if np.prod(shape) <= 1 << 16:
         reps *= 10  # small shapes: cheap, and dispatch noise needs more samples
     order = list(fns.items())
@@ -89,8 +97,16 @@ def measure(shape, dtype, reps):
         for name, (fn, _) in order:
             start = time.perf_counter()
             jax.block_until_ready(fn(x, w, dy))
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {k: v * 1e3 for k, v in best.items()}  # ms
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def ratio(times: dict, num: str, den: str) -> tuple[float, float, float]:
+    """The median over rounds of the per-round ratio num/den, with its 25th and 75th
+    percentiles: each round times both variants back to back, so the ratio cancels the drift
+    that moves both (a best-of ratio takes its two times from different rounds)."""
+    r = np.asarray(times[num]) / np.asarray(times[den])
+    return float(np.median(r)), float(np.percentile(r, 25)), float(np.percentile(r, 75))
 
 
 def best_times(fns: dict, args: dict, reps: int) -> dict:
@@ -192,9 +208,11 @@ def run_sharded(devices: int, quick: bool, reps: int) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=30, help="timed runs per variant (best is kept)")
+    parser.add_argument("--reps", type=int, default=30, help="timed rounds (every variant once per round)")
     parser.add_argument("--out", default="bench/out", help="folder for results.json and rmsnorm_cpu.png")
     parser.add_argument("--quick", action="store_true", help="small shapes only, few reps (smoke test)")
+    parser.add_argument("--shapes", help="comma-separated ROWSxN shapes instead of the suite's (e.g. 256x4096,64x16384)")
+    parser.add_argument("--dtypes", help="comma-separated dtypes instead of the suite's (e.g. float32,bfloat16)")
     parser.add_argument("--sharded-devices", type=int, default=4,
                         help="host devices for the sharded case (default 4; 0 skips it)")
     parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
@@ -205,36 +223,57 @@ def main():
         print(json.dumps(rows))
         return
     shapes = [(8, 128), (64, 256)] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    dtypes = args.dtypes.split(",") if args.dtypes else DTYPES
     os.makedirs(args.out, exist_ok=True)
 
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, best of {reps}")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, {reps} rounds; "
+        "ms: median; ratios: median of per-round ratios [25th-75th percentile]"
+    )
     header = (
-        f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>7} {'/jnp':>6} | "
-        f"{'f+b ms':>8} {'/floor':>7} {'/jnp':>6} | {'floor f':>8} {'jnp f':>8} {'floor fb':>8} {'jnp fb':>8}"
+        f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>17} {'/jnp':>6} | "
+        f"{'f+b ms':>8} {'/floor':>17} {'/jnp':>6} | {'floor f':>8} {'jnp f':>8} {'floor fb':>8} {'jnp fb':>8}"
     )
     print(header)
     print("-" * len(header))
     rows = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for shape in shapes:
-            t = measure(shape, dtype, reps)
+            times = measure(shape, dtype, reps)
+            t = {name: float(np.median(v)) for name, v in times.items()}
+            fwd, fb = ratio(times, "fwd ours", "fwd floor"), ratio(times, "fwd+bwd ours", "fwd+bwd floor")
             row = {
                 "shape": list(shape),
                 "dtype": dtype,
                 **t,
-                "fwd / floor": t["fwd ours"] / t["fwd floor"],
-                "fwd / jnp": t["fwd ours"] / t["fwd jnp"],
-                "fwd+bwd / floor": t["fwd+bwd ours"] / t["fwd+bwd floor"],
-                "fwd+bwd / jnp": t["fwd+bwd ours"] / t["fwd+bwd jnp"],
+                "fwd / floor": fwd[0],
+                "fwd / floor spread": fwd[1:],
+                "fwd / jnp": ratio(times, "fwd ours", "fwd jnp")[0],
+                "fwd+bwd / floor": fb[0],
+                "fwd+bwd / floor spread": fb[1:],
+                "fwd+bwd / jnp": ratio(times, "fwd+bwd ours", "fwd+bwd jnp")[0],
+                "residual fused / unfused": ratio(times, "res fused", "res unfused")[0],
+                "residual fused / jnp": ratio(times, "res fused", "res jnp")[0],
             }
             rows.append(row)
+            spread = lambda r: f"{r[0]:5.2f}x [{r[1]:4.2f}-{r[2]:4.2f}]"  # noqa: E731
             print(
-                f"{'x'.join(map(str, shape)):>12} {dtype:>9} | {t['fwd ours']:8.3f} {row['fwd / floor']:6.2f}x "
-                f"{row['fwd / jnp']:5.2f}x | {t['fwd+bwd ours']:8.3f} {row['fwd+bwd / floor']:6.2f}x "
+                f"{'x'.join(map(str, shape)):>12} {dtype:>9} | {t['fwd ours']:8.3f} {spread(fwd):>17} "
+                f"{row['fwd / jnp']:5.2f}x | {t['fwd+bwd ours']:8.3f} {spread(fb):>17} "
                 f"{row['fwd+bwd / jnp']:5.2f}x | {t['fwd floor']:8.3f} {t['fwd jnp']:8.3f} "
                 f"{t['fwd+bwd floor']:8.3f} {t['fwd+bwd jnp']:8.3f}",
                 flush=True,
             )
+    print("\nresidual add + norm, (y, h) = (norm(x + r), x + r): fused rms_norm_residual against the add then")
+    print("our norm, and the add then jnp's norm (median ms; ratios: median of per-round ratios)")
+    for row in rows:
+        print(
+            f"{'x'.join(map(str, row['shape'])):>12} {row['dtype']:>9} | fused {row['res fused']:8.3f} ms | "
+            f"add+ours {row['res unfused']:8.3f} ms ({row['residual fused / unfused']:4.2f}x) | "
+            f"add+jnp {row['res jnp']:8.3f} ms ({row['residual fused / jnp']:4.2f}x)"
+        )
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "sharded": sharded,

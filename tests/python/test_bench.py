@@ -22,8 +22,12 @@ def test_bench_quick_run(tmp_path):
     rows = results["rows"]
     assert len(rows) == 4
     for row in rows:
-        for key in ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp"):
+        for key in ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
+                    "res fused", "res unfused", "res jnp"):
             assert row[key] > 0
+        lo, hi = row["fwd / floor spread"]
+        assert lo <= row["fwd / floor"] <= hi
+    assert "residual add + norm" in result.stdout
     # The sharded case: 4 host devices, explicit and automatic meshes, ours and jnp.
     assert "sharded fwd+bwd" in result.stdout and "4 host devices" in result.stdout
     sharded = results["sharded"]
