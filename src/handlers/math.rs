@@ -9,10 +9,11 @@
 //! Elements are widened to the accumulator type (f32, or f64 for f64 input) on load and
 //! narrowed on store. Sums along a row use [`LANES`] independent accumulators, so they
 //! vectorize, in two levels ([`RowSum`]): each lane sums [`SUM_BLOCK`]` / LANES` elements in the
-//! accumulator type, then adds that block sum into a compensated float64 lane. So the error does
-//! not grow with the row length (a float32 sum along 2^24 elements was off by thousands of
-//! eps), and the result is the same on every instruction set (a fixed order, no fused
-//! multiply-add). Weight gradients accumulate over rows in [`Accum::Wide`] (float64, or a
+//! accumulator type (128 each, per block of 2048), then adds that block sum into a compensated
+//! float64 lane. So the error does not grow with the row length (a float32 sum along 2^24
+//! elements was off by thousands of eps), and the result is the same on every instruction set
+//! (a fixed order, no fused multiply-add). The float64 level costs a few scalar operations per
+//! block (blocks of 256 cost the forward about 30% at rows of 4096; 2048, a few percent). Weight gradients accumulate over rows in [`Accum::Wide`] (float64, or a
 //! compensated float64 pair for float64 input), for the same reason along the other axis.
 //! Every function here is `#[inline(always)]`: it is compiled into the caller's SIMD context
 //! (see `cpu::simd`).
@@ -296,64 +297,50 @@ impl Element for f16 {
 }
 
 /// Elements of a row summed in the accumulator type before they join the float64 lanes.
-pub const SUM_BLOCK: usize = 256;
+pub const SUM_BLOCK: usize = 2048;
 /// `LANES`-wide chunks per block.
-const BLOCK_CHUNKS: usize = SUM_BLOCK / LANES;
+pub const BLOCK_CHUNKS: usize = SUM_BLOCK / LANES;
 
-/// A sum along a row in two levels: [`LANES`] accumulators in `A` (what the SIMD loops add
-/// into), flushed every [`SUM_BLOCK`] elements into [`LANES`] compensated float64 lanes. The
-/// loops call [`RowSum::chunk_done`] after each `LANES`-wide chunk and [`RowSum::total`] at the
-/// end, so every loop that sums a row flushes at the same elements (and so gives the same bits).
+/// The float64 level of a sum along a row: [`LANES`] compensated float64 lanes, into which
+/// the loops add a block of [`LANES`] accumulators in `A` every [`SUM_BLOCK`] elements (and
+/// once more for the row's tail). Every loop that sums a row blocks it the same way (the
+/// `LANES`-wide chunks in groups of [`BLOCK_CHUNKS`], then the tail), so they give the same
+/// bits; the block accumulators are locals of the loops, so they stay in registers.
 #[derive(Clone, Copy)]
-pub struct RowSum<A> {
-    pub lanes: [A; LANES],
+pub struct RowSum {
     hi: [f64; LANES],
     lo: [f64; LANES],
-    chunks: usize,
 }
 
-impl<A: Accum> Default for RowSum<A> {
+impl Default for RowSum {
     #[inline(always)]
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<A: Accum> RowSum<A> {
+impl RowSum {
     #[inline(always)]
     pub fn new() -> Self {
         RowSum {
-            lanes: [A::ZERO; LANES],
             hi: [0.0; LANES],
             lo: [0.0; LANES],
-            chunks: 0,
         }
     }
 
+    /// Adds one block of accumulators.
     #[inline(always)]
-    fn flush(&mut self) {
+    pub fn add<A: Accum>(&mut self, block: &[A; LANES]) {
         for l in 0..LANES {
-            let (hi, e) = two_sum(self.hi[l], self.lanes[l].to_f64());
+            let (hi, e) = two_sum(self.hi[l], block[l].to_f64());
             self.hi[l] = hi;
             self.lo[l] += e;
-            self.lanes[l] = A::ZERO;
         }
     }
 
-    /// One more `LANES`-wide chunk has been added to `lanes`.
+    /// The sum, in float64.
     #[inline(always)]
-    pub fn chunk_done(&mut self) {
-        self.chunks += 1;
-        if self.chunks == BLOCK_CHUNKS {
-            self.chunks = 0;
-            self.flush();
-        }
-    }
-
-    /// The sum, in float64 (after the row's tail has been added to `lanes`).
-    #[inline(always)]
-    pub fn total(mut self) -> f64 {
-        self.flush();
+    pub fn total(self) -> f64 {
         let (mut sum, mut err) = (0.0f64, 0.0f64);
         for l in 0..LANES {
             let (s, e) = two_sum(sum, self.hi[l]);
@@ -373,19 +360,24 @@ impl<A: Accum> RowSum<A> {
 /// `sum(x^2)`.
 #[inline(always)]
 pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
-    let mut sum = RowSum::<A>::new();
-    let (blocks, tail) = x.as_chunks::<LANES>();
-    for block in blocks {
-        for (a, &e) in sum.lanes.iter_mut().zip(block) {
-            let v = A::load(e);
-            *a = *a + v * v;
+    let mut sum = RowSum::new();
+    let (chunks, tail) = x.as_chunks::<LANES>();
+    for block in chunks.chunks(BLOCK_CHUNKS) {
+        let mut acc = [A::ZERO; LANES];
+        for c in block {
+            for (a, &e) in acc.iter_mut().zip(c) {
+                let v = A::load(e);
+                *a = *a + v * v;
+            }
         }
-        sum.chunk_done();
+        sum.add(&acc);
     }
-    for (a, &e) in sum.lanes.iter_mut().zip(tail) {
+    let mut acc = [A::ZERO; LANES];
+    for (a, &e) in acc.iter_mut().zip(tail) {
         let v = A::load(e);
         *a = *a + v * v;
     }
+    sum.add(&acc);
     sum.total()
 }
 
@@ -450,32 +442,36 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             forward_scale(xr, w_of(i), r, yr);
             break;
         };
-        let mut sum = RowSum::<A>::new();
+        let mut sum = RowSum::new();
         let (xb, xt) = xr.as_chunks::<LANES>();
         let (nb, nt) = xn.as_chunks::<LANES>();
         let (yb, yt) = yr.as_chunks_mut::<LANES>();
+        let blocks = yb
+            .chunks_mut(BLOCK_CHUNKS)
+            .zip(xb.chunks(BLOCK_CHUNKS))
+            .zip(nb.chunks(BLOCK_CHUNKS));
+        let mut acc = [A::ZERO; LANES];
         match w_of(i) {
             Some(w) => {
                 let (wb, wt) = w.as_chunks::<LANES>();
-                for (((ys, xs), ws), ns) in yb.iter_mut().zip(xb).zip(wb).zip(nb) {
-                    for ((((o, &xi), &wi), &ni), a) in ys
-                        .iter_mut()
-                        .zip(xs)
-                        .zip(ws)
-                        .zip(ns)
-                        .zip(sum.lanes.iter_mut())
-                    {
-                        *o = (A::load(xi) * r * A::load(wi)).store();
-                        let v = A::load(ni);
-                        *a = *a + v * v;
+                for (((yk, xk), nk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
+                    let mut acc = [A::ZERO; LANES];
+                    for (((ys, xs), ws), ns) in yk.iter_mut().zip(xk).zip(wk).zip(nk) {
+                        for ((((o, &xi), &wi), &ni), a) in
+                            ys.iter_mut().zip(xs).zip(ws).zip(ns).zip(acc.iter_mut())
+                        {
+                            *o = (A::load(xi) * r * A::load(wi)).store();
+                            let v = A::load(ni);
+                            *a = *a + v * v;
+                        }
                     }
-                    sum.chunk_done();
+                    sum.add(&acc);
                 }
                 for (((o, &xi), &wi), (&ni, a)) in yt
                     .iter_mut()
                     .zip(xt)
                     .zip(wt)
-                    .zip(nt.iter().zip(sum.lanes.iter_mut()))
+                    .zip(nt.iter().zip(acc.iter_mut()))
                 {
                     *o = (A::load(xi) * r * A::load(wi)).store();
                     let v = A::load(ni);
@@ -483,20 +479,20 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 }
             }
             None => {
-                for ((ys, xs), ns) in yb.iter_mut().zip(xb).zip(nb) {
-                    for (((o, &xi), &ni), a) in
-                        ys.iter_mut().zip(xs).zip(ns).zip(sum.lanes.iter_mut())
-                    {
-                        *o = (A::load(xi) * r).store();
-                        let v = A::load(ni);
-                        *a = *a + v * v;
+                for ((yk, xk), nk) in blocks {
+                    let mut acc = [A::ZERO; LANES];
+                    for ((ys, xs), ns) in yk.iter_mut().zip(xk).zip(nk) {
+                        for (((o, &xi), &ni), a) in
+                            ys.iter_mut().zip(xs).zip(ns).zip(acc.iter_mut())
+                        {
+                            *o = (A::load(xi) * r).store();
+                            let v = A::load(ni);
+                            *a = *a + v * v;
+                        }
                     }
-                    sum.chunk_done();
+                    sum.add(&acc);
                 }
-                for ((o, &xi), (&ni, a)) in yt
-                    .iter_mut()
-                    .zip(xt)
-                    .zip(nt.iter().zip(sum.lanes.iter_mut()))
+                for ((o, &xi), (&ni, a)) in yt.iter_mut().zip(xt).zip(nt.iter().zip(acc.iter_mut()))
                 {
                     *o = (A::load(xi) * r).store();
                     let v = A::load(ni);
@@ -504,6 +500,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 }
             }
         }
+        sum.add(&acc);
         next = finish(sum.total());
     }
 }
@@ -547,34 +544,43 @@ fn grad_out<T: Element, W: Element, A: Accum>(dy: T, w: Option<W>) -> A {
 /// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
 #[inline(always)]
 fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> f64 {
-    let mut sum = RowSum::<A>::new();
+    let mut sum = RowSum::new();
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
+    let blocks = xb.chunks(BLOCK_CHUNKS).zip(db.chunks(BLOCK_CHUNKS));
+    let mut acc = [A::ZERO; LANES];
     match w {
         Some(w) => {
             let (wb, wt) = w.as_chunks::<LANES>();
-            for ((xs, ds), ws) in xb.iter().zip(db).zip(wb) {
-                for (((a, &xi), &di), &wi) in sum.lanes.iter_mut().zip(xs).zip(ds).zip(ws) {
-                    *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
+            for ((xk, dk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
+                let mut acc = [A::ZERO; LANES];
+                for ((xs, ds), ws) in xk.iter().zip(dk).zip(wk) {
+                    for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xs).zip(ds).zip(ws) {
+                        *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
+                    }
                 }
-                sum.chunk_done();
+                sum.add(&acc);
             }
-            for (((a, &xi), &di), &wi) in sum.lanes.iter_mut().zip(xt).zip(dt).zip(wt) {
+            for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xt).zip(dt).zip(wt) {
                 *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
             }
         }
         None => {
-            for (xs, ds) in xb.iter().zip(db) {
-                for ((a, &xi), &di) in sum.lanes.iter_mut().zip(xs).zip(ds) {
-                    *a = *a + A::load(di) * (A::load(xi) * r);
+            for (xk, dk) in blocks {
+                let mut acc = [A::ZERO; LANES];
+                for (xs, ds) in xk.iter().zip(dk) {
+                    for ((a, &xi), &di) in acc.iter_mut().zip(xs).zip(ds) {
+                        *a = *a + A::load(di) * (A::load(xi) * r);
+                    }
                 }
-                sum.chunk_done();
+                sum.add(&acc);
             }
-            for ((a, &xi), &di) in sum.lanes.iter_mut().zip(xt).zip(dt) {
+            for ((a, &xi), &di) in acc.iter_mut().zip(xt).zip(dt) {
                 *a = *a + A::load(di) * (A::load(xi) * r);
             }
         }
     }
+    sum.add(&acc);
     sum.total()
 }
 
@@ -678,8 +684,7 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             let (r2, r3) = (rstd[i + 2], rstd[i + 3]);
             let (x2, x3) = (&x[row(i + 2)], &x[row(i + 3)]);
             let (d2, d3) = (&dy[row(i + 2)], &dy[row(i + 3)]);
-            let mut s2 = RowSum::<A>::new();
-            let mut s3 = RowSum::<A>::new();
+            let (mut s2, mut s3) = (RowSum::new(), RowSum::new());
             let (wb, wt) = w.as_chunks::<LANES>();
             let (ab, at) = acc.as_chunks_mut::<LANES>();
             let (x0b, x0t) = x0.as_chunks::<LANES>();
@@ -692,31 +697,42 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             let (d3b, d3t) = d3.as_chunks::<LANES>();
             let (o0b, o0t) = o0.as_chunks_mut::<LANES>();
             let (o1b, o1t) = o1.as_chunks_mut::<LANES>();
-            let blocks = wb
-                .iter()
-                .zip(ab.iter_mut())
-                .zip(x0b.iter().zip(x1b))
-                .zip(d0b.iter().zip(d1b));
-            let outs = o0b.iter_mut().zip(o1b.iter_mut());
-            let ahead = x2b.iter().zip(x3b).zip(d2b.iter().zip(d3b));
-            for ((((ws, accs), (xs0, xs1)), (ds0, ds1)), ((os0, os1), ((xs2, xs3), (ds2, ds3)))) in
-                blocks.zip(outs.zip(ahead))
-            {
-                for l in 0..LANES {
-                    let wl = A::load(ws[l]);
-                    let h0 = A::load(xs0[l]) * r0;
-                    let g0 = A::load(ds0[l]);
-                    os0[l] = (r0 * (g0 * wl - h0 * c0)).store();
-                    let h1 = A::load(xs1[l]) * r1;
-                    let g1 = A::load(ds1[l]);
-                    os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
-                    accs[l] = accs[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
-                    s2.lanes[l] = s2.lanes[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
-                    s3.lanes[l] = s3.lanes[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
+            let chunks = wb.len();
+            for start in (0..chunks).step_by(BLOCK_CHUNKS) {
+                let k = start..(start + BLOCK_CHUNKS).min(chunks);
+                let blocks = wb[k.clone()]
+                    .iter()
+                    .zip(ab[k.clone()].iter_mut())
+                    .zip(x0b[k.clone()].iter().zip(&x1b[k.clone()]))
+                    .zip(d0b[k.clone()].iter().zip(&d1b[k.clone()]));
+                let outs = o0b[k.clone()].iter_mut().zip(o1b[k.clone()].iter_mut());
+                let ahead = x2b[k.clone()]
+                    .iter()
+                    .zip(&x3b[k.clone()])
+                    .zip(d2b[k.clone()].iter().zip(&d3b[k]));
+                let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
+                for (
+                    (((ws, accs), (xs0, xs1)), (ds0, ds1)),
+                    ((os0, os1), ((xs2, xs3), (ds2, ds3))),
+                ) in blocks.zip(outs.zip(ahead))
+                {
+                    for l in 0..LANES {
+                        let wl = A::load(ws[l]);
+                        let h0 = A::load(xs0[l]) * r0;
+                        let g0 = A::load(ds0[l]);
+                        os0[l] = (r0 * (g0 * wl - h0 * c0)).store();
+                        let h1 = A::load(xs1[l]) * r1;
+                        let g1 = A::load(ds1[l]);
+                        os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
+                        accs[l] = accs[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
+                        a2[l] = a2[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
+                        a3[l] = a3[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
+                    }
                 }
-                s2.chunk_done();
-                s3.chunk_done();
+                s2.add(&a2);
+                s3.add(&a3);
             }
+            let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
             for l in 0..wt.len() {
                 let wl = A::load(wt[l]);
                 let h0 = A::load(x0t[l]) * r0;
@@ -726,9 +742,11 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                 let g1 = A::load(d1t[l]);
                 o1t[l] = (r1 * (g1 * wl - h1 * c1)).store();
                 at[l] = at[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
-                s2.lanes[l] = s2.lanes[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
-                s3.lanes[l] = s3.lanes[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
+                a2[l] = a2[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
+                a3[l] = a3[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
             }
+            s2.add(&a2);
+            s3.add(&a3);
             c = [mean_of::<A>(s2.total(), n), mean_of::<A>(s3.total(), n)];
         } else {
             backward_second_pass(x0, Some(w), r0, c0, d0, o0, Some(&mut *acc));
