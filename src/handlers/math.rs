@@ -357,6 +357,34 @@ impl RowSum {
     }
 }
 
+/// `acc + x^2`, lane by lane, taken and returned by value (so the accumulator stays in a
+/// register: updated in place through a zip or an index, LLVM kept it in memory, a
+/// load-add-store chain that bound the software-pipelined bf16 forward).
+#[inline(always)]
+fn add_squares<T: Element, A: Accum>(mut acc: [A; LANES], x: &[T; LANES]) -> [A; LANES] {
+    for l in 0..LANES {
+        let v = A::load(x[l]);
+        acc[l] = acc[l] + v * v;
+    }
+    acc
+}
+
+/// `acc + g * (x * r)` lane by lane with `g = dy * w` (or `dy`), by value as
+/// [`add_squares`].
+#[inline(always)]
+fn add_dot<T: Element, W: Element, A: Accum>(
+    mut acc: [A; LANES],
+    x: &[T; LANES],
+    dy: &[T; LANES],
+    w: Option<&[W; LANES]>,
+    r: A,
+) -> [A; LANES] {
+    for l in 0..LANES {
+        acc[l] = acc[l] + grad_out::<T, W, A>(dy[l], w.map(|w| w[l])) * (A::load(x[l]) * r);
+    }
+    acc
+}
+
 /// `sum(x^2)`.
 #[inline(always)]
 pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
@@ -365,10 +393,7 @@ pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
     for block in chunks.chunks(BLOCK_CHUNKS) {
         let mut acc = [A::ZERO; LANES];
         for c in block {
-            for (a, &e) in acc.iter_mut().zip(c) {
-                let v = A::load(e);
-                *a = *a + v * v;
-            }
+            acc = add_squares(acc, c);
         }
         sum.add(&acc);
     }
@@ -457,13 +482,10 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 for (((yk, xk), nk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
                     let mut acc = [A::ZERO; LANES];
                     for (((ys, xs), ws), ns) in yk.iter_mut().zip(xk).zip(wk).zip(nk) {
-                        for ((((o, &xi), &wi), &ni), a) in
-                            ys.iter_mut().zip(xs).zip(ws).zip(ns).zip(acc.iter_mut())
-                        {
-                            *o = (A::load(xi) * r * A::load(wi)).store();
-                            let v = A::load(ni);
-                            *a = *a + v * v;
+                        for l in 0..LANES {
+                            ys[l] = (A::load(xs[l]) * r * A::load(ws[l])).store();
                         }
+                        acc = add_squares(acc, ns);
                     }
                     sum.add(&acc);
                 }
@@ -482,13 +504,10 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 for ((yk, xk), nk) in blocks {
                     let mut acc = [A::ZERO; LANES];
                     for ((ys, xs), ns) in yk.iter_mut().zip(xk).zip(nk) {
-                        for (((o, &xi), &ni), a) in
-                            ys.iter_mut().zip(xs).zip(ns).zip(acc.iter_mut())
-                        {
-                            *o = (A::load(xi) * r).store();
-                            let v = A::load(ni);
-                            *a = *a + v * v;
+                        for l in 0..LANES {
+                            ys[l] = (A::load(xs[l]) * r).store();
                         }
+                        acc = add_squares(acc, ns);
                     }
                     sum.add(&acc);
                 }
@@ -555,9 +574,7 @@ fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[
             for ((xk, dk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
                 let mut acc = [A::ZERO; LANES];
                 for ((xs, ds), ws) in xk.iter().zip(dk).zip(wk) {
-                    for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xs).zip(ds).zip(ws) {
-                        *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
-                    }
+                    acc = add_dot(acc, xs, ds, Some(ws), r);
                 }
                 sum.add(&acc);
             }
@@ -569,9 +586,7 @@ fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[
             for (xk, dk) in blocks {
                 let mut acc = [A::ZERO; LANES];
                 for (xs, ds) in xk.iter().zip(dk) {
-                    for ((a, &xi), &di) in acc.iter_mut().zip(xs).zip(ds) {
-                        *a = *a + A::load(di) * (A::load(xi) * r);
-                    }
+                    acc = add_dot::<T, W, A>(acc, xs, ds, None, r);
                 }
                 sum.add(&acc);
             }
@@ -725,9 +740,9 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                         let g1 = A::load(ds1[l]);
                         os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
                         accs[l] = accs[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
-                        a2[l] = a2[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
-                        a3[l] = a3[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
                     }
+                    a2 = add_dot(a2, xs2, ds2, Some(ws), r2);
+                    a3 = add_dot(a3, xs3, ds3, Some(ws), r3);
                 }
                 s2.add(&a2);
                 s3.add(&a3);
