@@ -331,10 +331,10 @@ impl RowSum {
     /// Adds one block of accumulators.
     #[inline(always)]
     pub fn add<A: Accum>(&mut self, block: &[A; LANES]) {
-        for l in 0..LANES {
-            let (hi, e) = two_sum(self.hi[l], block[l].to_f64());
-            self.hi[l] = hi;
-            self.lo[l] += e;
+        for ((hi, lo), b) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(block) {
+            let (s, e) = two_sum(*hi, b.to_f64());
+            *hi = s;
+            *lo += e;
         }
     }
 
