@@ -46,7 +46,8 @@ develop: $(DEPS)
 # Teaches a small transformer 3-digit addition with rmsnorm_ffi.RMSNorm and with flax's jnp norm,
 # on one device and data-parallel on 2 forced host devices (explicit mesh); prints held-out answers,
 # accuracies, losses, speed, the state story and the norm's time, and writes the loss and accuracy
-# curves to DEMO_PLOT (matplotlib, installed here as `make bench` does). About 2.5 minutes on 2 cores.
+# curves to DEMO_PLOT (matplotlib, installed here as `make bench` does). Training takes 100-170 s
+# on a shared 2-core machine.
 DEMO_PLOT ?= target/demo/train.png
 demo: develop
 	$(PY) -m pip install --quiet matplotlib
