@@ -85,9 +85,18 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         d.set_item("target", state.target)?;
         d.set_item("type", state.type_name)?;
         d.set_item("executions", state.executions)?;
+        let details = PyDict::new(py);
+        for (k, v) in &state.details {
+            details.set_item(k, v)?;
+        }
+        d.set_item("details", details)?;
         states.append(d)?;
     }
     out.set_item("states", states)?;
+    out.set_item(
+        "gpu_modules_loaded",
+        crate::handlers::gpu::resources::modules_loaded(),
+    )?;
     Ok(out)
 }
 
