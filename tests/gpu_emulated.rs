@@ -551,12 +551,13 @@ const PAIRS: [(DataType, Weight); 11] = [
 ];
 
 /// Every (x, weight) pair over: n = 1, odd n (scalar path), zero rows, several rows per block,
-/// one block per row, a batched weight; then the streaming path (rows up to 2^20), misaligned
+/// several rows per team (each block accumulating many rows), one block per row, a batched
+/// weight; then the streaming path (rows up to 2^20), misaligned
 /// buffers (scalar path on even n), a stream on the second device, and XLA skipping initialize.
 fn matrix() -> Vec<Case> {
     let mut cases = Vec::new();
     for (x, w) in PAIRS {
-        for (rows, n) in [(3, 1), (5, 67), (0, 128), (37, 256), (3, 4096)] {
+        for (rows, n) in [(3, 1), (5, 67), (0, 128), (37, 256), (150, 128), (3, 4096)] {
             cases.push(Case::new(x, w, rows, n));
         }
         cases.push(Case {
@@ -597,6 +598,7 @@ fn matrix() -> Vec<Case> {
 fn quick_matrix() -> Vec<Case> {
     vec![
         Case::new(DataType::F32, Weight::Same, 37, 256),
+        Case::new(DataType::F32, Weight::Same, 200, 256),
         Case::new(DataType::F32, Weight::Same, 3, 4096),
         Case::new(DataType::BF16, Weight::F32, 5, 67),
         Case::new(DataType::F16, Weight::Same, 3, 2048),
@@ -641,4 +643,496 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
     let c = fake.counters();
     assert_eq!(c.module_loads, 2, "{c:?}");
     assert_eq!(resources::modules_loaded(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulator bites: planted bugs
+// ---------------------------------------------------------------------------------------------
+
+struct PlantedBug {
+    name: String,
+    why: String,
+    find: String,
+    replace: String,
+}
+
+/// Parses src/handlers/gpu/rmsnorm.bugs (format in its header).
+fn planted_bugs() -> Vec<PlantedBug> {
+    let text = include_str!("../src/handlers/gpu/rmsnorm.bugs");
+    let mut bugs = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some(name) = line.strip_prefix("=== ").filter(|n| *n != "end") else {
+            continue;
+        };
+        let mut bug = PlantedBug {
+            name: name.trim().to_string(),
+            why: String::new(),
+            find: String::new(),
+            replace: String::new(),
+        };
+        let mut section = "";
+        for line in lines.by_ref() {
+            match line {
+                "=== end" => break,
+                "--- find" => section = "find",
+                "--- replace" => section = "replace",
+                _ if section.is_empty() => {
+                    if let Some(why) = line.strip_prefix("why: ") {
+                        bug.why = why.to_string();
+                    }
+                }
+                _ => {
+                    let target = if section == "find" {
+                        &mut bug.find
+                    } else {
+                        &mut bug.replace
+                    };
+                    target.push_str(line);
+                    target.push('\n');
+                }
+            }
+        }
+        assert!(
+            !bug.find.is_empty() && !bug.why.is_empty(),
+            "planted bug `{}` lacks find or why",
+            bug.name
+        );
+        bugs.push(bug);
+    }
+    bugs
+}
+
+#[test]
+fn planted_bugs_make_the_matrix_fail() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let bugs = planted_bugs();
+    assert!(bugs.len() >= 7, "{} planted bugs", bugs.len());
+    // Every pattern must still match the kernels exactly once: fail loudly rather than skip.
+    for bug in &bugs {
+        let n = kernels::SOURCE.matches(bug.find.as_str()).count();
+        assert_eq!(
+            n, 1,
+            "planted bug `{}`: its `find` text occurs {n} times in rmsnorm.cu (must be once); \
+             the kernels changed: update src/handlers/gpu/rmsnorm.bugs to plant the same bug",
+            bug.name
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_planted_{}", std::process::id()));
+    // Build every variant (and a control from the unchanged source) two at a time.
+    let mut sources: Vec<(String, String)> = vec![("control".into(), kernels::SOURCE.into())];
+    for bug in &bugs {
+        sources.push((
+            bug.name.clone(),
+            kernels::SOURCE.replacen(&bug.find, &bug.replace, 1),
+        ));
+    }
+    let libraries: Vec<PathBuf> = sources
+        .chunks(2)
+        .flat_map(|pair| {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = pair
+                    .iter()
+                    .map(|(name, src)| {
+                        let d = dir.join(name);
+                        s.spawn(move || emu::build_kernels_from(src, &d))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{e}")))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let quick = quick_matrix();
+    let mut report = Vec::new();
+    let mut missed = Vec::new();
+    for ((name, _), library) in sources.iter().zip(&libraries) {
+        fake.use_kernels(library).unwrap();
+        let failures = run_all(fake, &quick);
+        if name == "control" {
+            assert!(
+                failures.is_empty(),
+                "the unchanged source fails:\n{}",
+                failures.join("\n")
+            );
+            continue;
+        }
+        match failures.first() {
+            Some(first) => report.push(format!(
+                "caught {name}: {} of {} cases failed; first: {}",
+                failures.len(),
+                quick.len(),
+                first
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .chars()
+                    .take(300)
+                    .collect::<String>()
+            )),
+            None => missed.push(name.clone()),
+        }
+    }
+    fake.use_kernels(&emu::emulated_kernels()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{}", report.join("\n"));
+    assert!(
+        missed.is_empty(),
+        "planted bugs the matrix did not catch: {missed:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake's checks, the glue's contracts
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn the_host_half_conversions_match_the_half_crate_bit_for_bit() {
+    let conv = emu::HalfConversions::load();
+    for bits in 0..=u16::MAX {
+        let want = f16::from_bits(bits).to_f32();
+        assert_eq!(
+            conv.to_f32(bits).to_bits(),
+            want.to_bits(),
+            "f16 {bits:#06x}"
+        );
+    }
+    let check = |f: f32| {
+        let want = f16::from_f32(f).to_bits();
+        assert_eq!(conv.from_f32(f), want, "f32 {:#010x} ({f:e})", f.to_bits());
+    };
+    // Every half, the midpoints to its neighbour and one float either side (ties to even,
+    // subnormals, overflow), and a stride through all float bit patterns.
+    for bits in 0..=u16::MAX {
+        let a = f16::from_bits(bits).to_f32();
+        let b = f16::from_bits(bits.wrapping_add(1)).to_f32();
+        check(a);
+        if a.is_finite() && b.is_finite() && (a < 0.0) == (b < 0.0) {
+            let mid = ((a as f64 + b as f64) / 2.0) as f32;
+            for m in [mid.to_bits() - 1, mid.to_bits(), mid.to_bits() + 1] {
+                check(f32::from_bits(m));
+            }
+        }
+    }
+    for bits in (0..=u32::MAX).step_by(4099) {
+        check(f32::from_bits(bits));
+    }
+}
+
+#[test]
+fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let module = resources::module_for(0).unwrap();
+    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let fwd =
+        kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
+    let fin = kernels::finalize_index(DataType::F32, DataType::F32).unwrap();
+    let config = |grid, block, shared_bytes| gpu::driver::LaunchConfig {
+        grid,
+        block,
+        shared_bytes,
+    };
+    // The builder: names and types in the table's order, all of them.
+    let err = module
+        .launch(fin, config(1, (32, 8), 0))
+        .unwrap()
+        .ptr("partial", 0)
+        .i64("blocks", 0)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`blocks: I64` but the kernel's parameter is `blocks: I32`"),
+        "{err}"
+    );
+    let err = module
+        .launch(fin, config(1, (32, 8), 0))
+        .unwrap()
+        .ptr("partial", 0)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("1 of the kernel's 4 parameters given (next: `blocks`)"),
+        "{err}"
+    );
+    // The fake driver: sm_90's limits and the 48 KB default of dynamic shared memory.
+    let y = fake.buffer(4 * 1024, 0);
+    let r = fake.buffer(4, 0);
+    let launch = |c: gpu::driver::LaunchConfig| {
+        module
+            .launch(fwd, c)
+            .unwrap()
+            .ptr("x", y.addr() as u64)
+            .ptr("w", 0)
+            .ptr("y", y.addr() as u64)
+            .ptr("rstd", r.addr() as u64)
+            .i64("rows", 1)
+            .i32("n", 1)
+            .i32("team", 32)
+            .f32("eps", 1e-5)
+            .i64("rows_per_group", 1)
+            .enqueue(stream)
+    };
+    launch(config(1, (256, 1), 0)).unwrap();
+    for (c, why) in [
+        (config(1, (256, 1), 48 * 1024 + 1), "over the 48 KB default"),
+        (config(1, (2048, 1), 0), "exceeds sm_90's limits"),
+        (config(0, (256, 1), 0), "a zero dimension"),
+    ] {
+        let err = launch(c).unwrap_err().to_string();
+        assert!(err.contains("cuLaunchKernel failed"), "{err}");
+        assert!(fake.last_error().contains(why), "{}", fake.last_error());
+    }
+    // Threads over a kernel's launch bounds: the backward takes 512.
+    let bwd =
+        kernels::kernel_index(kernels::Direction::Backward, DataType::F32, None, false).unwrap();
+    let err = module
+        .launch(bwd, config(1, (1024, 1), 0))
+        .unwrap()
+        .ptr("x", 0)
+        .ptr("w", 0)
+        .ptr("rstd", 0)
+        .ptr("dy", 0)
+        .ptr("dx", 0)
+        .ptr("partial", 0)
+        .i32("n", 1)
+        .i32("team", 32)
+        .i64("chunk", 1)
+        .i64("rows_per_group", 1)
+        .i64("blocks_per_group", 1)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"), "{err}");
+    assert!(
+        fake.last_error().contains("__launch_bounds__(512)"),
+        "{}",
+        fake.last_error()
+    );
+}
+
+#[test]
+fn an_out_of_bounds_write_fails_the_launch() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let module = resources::module_for(0).unwrap();
+    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let fwd =
+        kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
+    // Two rows of 64 into a y of one row: the second row lands in the guard zone.
+    let mut x = fake.buffer(2 * 64 * 4, 0);
+    x.write(&vec![0x3f; 2 * 64 * 4]);
+    let y = fake.buffer(64 * 4, 0);
+    let r = fake.buffer(2 * 4, 0);
+    let err = module
+        .launch(
+            fwd,
+            gpu::driver::LaunchConfig {
+                grid: 1,
+                block: (256, 1),
+                shared_bytes: 0,
+            },
+        )
+        .unwrap()
+        .ptr("x", x.addr() as u64)
+        .ptr("w", 0)
+        .ptr("y", y.addr() as u64)
+        .ptr("rstd", r.addr() as u64)
+        .i64("rows", 2)
+        .i32("n", 64)
+        .i32("team", 32)
+        .f32("eps", 1e-5)
+        .i64("rows_per_group", 2)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{err}");
+    assert!(
+        fake.last_error()
+            .contains("write past the end of a 256-byte buffer"),
+        "{}",
+        fake.last_error()
+    );
+    // Freeing the buffer reports the overwritten guard too.
+    let freed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(y)));
+    assert!(freed.is_err());
+}
+
+#[test]
+fn concurrent_first_calls_share_one_module_and_allocate_the_scratch_once() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    // Many call sites: the module is loaded once per device, never per state.
+    for n in [64, 96, 128] {
+        run_case(fake, &Case::new(DataType::F32, Weight::Same, 2, n)).unwrap();
+    }
+    let c = fake.counters();
+    assert!(c.module_loads <= 2, "{c:?}");
+    assert_eq!(c.module_loads as usize, resources::modules_loaded());
+    // One backward state; four threads make its first call at once, without initialize.
+    let case = Case {
+        initialize: false,
+        ..Case::new(DataType::BF16, Weight::Same, 33, 512)
+    };
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let (xb, _) = encode(DataType::BF16, &values(33 * 512, 5));
+    let mut inputs: Vec<emu::DeviceBuffer> = [33 * 512 * 2, 512 * 2, 33 * 4, 33 * 512 * 2]
+        .iter()
+        .map(|&n| fake.buffer(n, 0))
+        .collect();
+    inputs[0].write(&xb);
+    inputs[1].write(&vec![0x80; 512 * 2]);
+    inputs[2].write(&1.0f32.to_ne_bytes().repeat(33));
+    inputs[3].write(&xb);
+    let outputs: Vec<(emu::DeviceBuffer, emu::DeviceBuffer)> = (0..4)
+        .map(|_| (fake.buffer(33 * 512 * 2, 0), fake.buffer(512 * 2, 0)))
+        .collect();
+    let ctx = gpu_context(fake, &case);
+    fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(&case)).unwrap();
+    let before = fake.counters();
+    std::thread::scope(|s| {
+        for (dx, dw) in &outputs {
+            let (ctx, inputs, xdims, wdims) = (&ctx, &inputs, &xdims, &wdims);
+            s.spawn(move || {
+                let frame = FrameBuilder::new(Stage::Execute)
+                    .device_arg(DataType::BF16, xdims, inputs[0].addr())
+                    .device_arg(DataType::BF16, wdims, inputs[1].addr())
+                    .device_arg(DataType::F32, &xdims[..1], inputs[2].addr())
+                    .device_arg(DataType::BF16, xdims, inputs[3].addr())
+                    .device_ret(DataType::BF16, xdims, dx.addr())
+                    .device_ret(DataType::BF16, wdims, dw.addr());
+                call(ctx, &gpu::BACKWARD_BUNDLE, Stage::Execute, frame).unwrap();
+            });
+        }
+    });
+    let after = fake.counters();
+    assert_eq!(
+        after.driver_allocations,
+        before.driver_allocations + 1,
+        "one scratch"
+    );
+    assert_eq!(after.module_loads, before.module_loads);
+    let first = outputs[0].1.read();
+    assert!(first.iter().any(|&b| b != 0xff), "dweight written");
+    for (dx, dw) in &outputs {
+        assert_eq!(
+            dw.read(),
+            first,
+            "dweight equal across the concurrent calls"
+        );
+        assert_eq!(dx.read(), outputs[0].0.read());
+    }
+    drop(ctx);
+    assert_eq!(
+        fake.counters().driver_bytes,
+        before.driver_bytes,
+        "scratch freed"
+    );
+}
+
+#[test]
+fn execute_under_capture_without_initialize_fails_clearly_and_leaves_the_capture_intact() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let case = Case::new(DataType::F32, Weight::Same, 4, 256);
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let x = fake.buffer(4 * 256 * 4, 0);
+    let w = fake.buffer(256 * 4, 0);
+    let y = fake.buffer(4 * 256 * 4, 0);
+    let r = fake.buffer(4 * 4, 0);
+    let frame = |stage| {
+        FrameBuilder::new(stage)
+            .device_arg(DataType::F32, &xdims, x.addr())
+            .device_arg(DataType::F32, &wdims, w.addr())
+            .device_ret(DataType::F32, &xdims, y.addr())
+            .device_ret(DataType::F32, &xdims[..1], r.addr())
+    };
+    let ctx = gpu_context(fake, &case);
+    let stream = ctx.stream.unwrap();
+    fake::instantiate(&ctx, &gpu::FORWARD_BUNDLE, fwd_attrs(&case)).unwrap();
+    fake.set_capture(stream, 1);
+    let err = call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Execute,
+        frame(Stage::Execute),
+    )
+    .unwrap_err();
+    assert!(err.contains("FailedPrecondition"), "{err}");
+    assert!(err.contains("being captured into a CUDA graph"), "{err}");
+    assert!(err.contains("did not run the initialize stage"), "{err}");
+    // Nothing was attempted that would have invalidated the capture: it still records.
+    let before = fake.counters().launches;
+    // What XLA does: initialize before it records, then execute inside the capture.
+    fake.set_capture(stream, 0);
+    call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Initialize,
+        frame(Stage::Initialize),
+    )
+    .unwrap();
+    fake.set_capture(stream, 1);
+    call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Execute,
+        frame(Stage::Execute),
+    )
+    .unwrap();
+    assert_eq!(fake.counters().launches, before + 1);
+    fake.set_capture(stream, 0);
+}
+
+#[test]
+fn devices_are_keyed_by_the_stream_not_by_xla_s_ordinal() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    // XLA's ordinal says 0, the stream is device 1's: the state's resources are device 1's.
+    let case = Case {
+        device: 1,
+        ..Case::new(DataType::F32, Weight::Same, 3, 128)
+    };
+    run_case(fake, &case).unwrap();
+    let mut ctx = gpu_context(fake, &case);
+    ctx.device_ordinal = 0;
+    fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(&case)).unwrap();
+    let dims = case.x_dims();
+    let b: Vec<emu::DeviceBuffer> = [3 * 128, 128, 3, 3 * 128, 3 * 128, 128]
+        .iter()
+        .map(|n| fake.buffer(n * 4, 0))
+        .collect();
+    let frame = FrameBuilder::new(Stage::Initialize)
+        .device_arg(DataType::F32, &dims, b[0].addr())
+        .device_arg(DataType::F32, &[128], b[1].addr())
+        .device_arg(DataType::F32, &[3], b[2].addr())
+        .device_arg(DataType::F32, &dims, b[3].addr())
+        .device_ret(DataType::F32, &dims, b[4].addr())
+        .device_ret(DataType::F32, &[128], b[5].addr());
+    call(&ctx, &gpu::BACKWARD_BUNDLE, Stage::Initialize, frame).unwrap();
+    let details = rmsnorm_ffi::state::snapshot()
+        .states
+        .into_iter()
+        .rev()
+        .find(|s| s.target == gpu::BACKWARD_TARGET)
+        .unwrap()
+        .details;
+    assert!(details.contains_key("cuda device 1"), "{details:?}");
+    assert!(!details.contains_key("cuda device 0"), "{details:?}");
+    // 3 rows of 128 on 4 fake SMs: a team of 32 per row, 16 teams per block: one block.
+    assert_eq!(
+        details["cuda device 1"],
+        format!("resources loaded in initialize, {} scratch bytes", 128 * 4)
+    );
 }

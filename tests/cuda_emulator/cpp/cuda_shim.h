@@ -103,14 +103,15 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
 // Host equivalents of `cvt.f32.f16` (exact) and `cvt.rn.f16.f32` (round to nearest even;
-// overflow to infinity; NaN stays NaN, quieted, with the top payload bits, as the `half` crate).
+// overflow to infinity), bit for bit as the `half` crate converts on the CPU path, NaN included
+// (quieted, with the payload's top bits; the device's NaN payloads may differ).
 inline float emu_half_to_float(unsigned short h) {
   const unsigned sign = (unsigned)(h & 0x8000u) << 16;
   const unsigned exp = (h >> 10) & 0x1fu;
   unsigned mant = h & 0x3ffu;
   unsigned bits;
   if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);
+    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u);  // NaN comes out quiet
   } else if (exp != 0) {
     bits = sign | ((exp + 112u) << 23) | (mant << 13);
   } else if (mant == 0) {

@@ -67,9 +67,10 @@ struct Module {
   std::vector<unsigned char> image;
   bool ptx;
 };
+// A function names its kernel; launches look it up in the kernels in use then, so that a test
+// can swap in kernels built from another source under modules already loaded.
 struct Function {
   Module* module;
-  const emu::Kernel* kernel;
   std::string name;
 };
 struct Stream {
@@ -137,6 +138,12 @@ std::string default_kernels_path() {
 }
 
 Context* current() { return t_stack.empty() ? nullptr : t_stack.back(); }
+
+const emu::Kernel* kernel_named(const char* name) {
+  for (int i = 0; i < g_kernel_count; ++i)
+    if (!strcmp(g_kernels[i].name, name)) return &g_kernels[i];
+  return nullptr;
+}
 
 bool capturing(Context* ctx) {
   for (Stream* s : g_streams)
@@ -376,11 +383,10 @@ CUresult cuModuleGetFunction(void** function, void* module, const char* name) {
   std::lock_guard<std::recursive_mutex> lock(g_mutex);
   Module* m = (Module*)module;
   if (!image_has(*m, name)) return CUDA_ERROR_NOT_FOUND;
-  for (int i = 0; i < g_kernel_count; ++i)
-    if (!strcmp(g_kernels[i].name, name)) {
-      *function = new Function{m, &g_kernels[i], name};
-      return CUDA_SUCCESS;
-    }
+  if (kernel_named(name)) {
+    *function = new Function{m, name};
+    return CUDA_SUCCESS;
+  }
   report(std::string("the module has `") + name + "` but the emulator has no such kernel");
   return CUDA_ERROR_NOT_FOUND;
 }
@@ -411,7 +417,9 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
 CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, void* function, int block_size,
                                                      size_t dynamic_bytes) {
   const Function* f = (const Function*)function;
-  if (block_size <= 0 || block_size > f->kernel->max_threads) {
+  const emu::Kernel* k = kernel_named(f->name.c_str());
+  if (!k) return CUDA_ERROR_NOT_FOUND;
+  if (block_size <= 0 || block_size > k->max_threads) {
     *blocks = 0;
     return CUDA_SUCCESS;
   }
@@ -426,12 +434,13 @@ CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, u
                         void** extra) {
   std::lock_guard<std::recursive_mutex> lock(g_mutex);
   const Function* f = (const Function*)function;
-  const emu::Kernel* k = f->kernel;
+  const emu::Kernel* k = kernel_named(f->name.c_str());
   Context* ctx = current();
   auto refuse = [&](CUresult code, const std::string& why) {
     report("cuLaunchKernel(" + f->name + "): " + why);
     return code;
   };
+  if (!k) return refuse(CUDA_ERROR_NOT_FOUND, "the kernels in use have no such kernel");
   if (!ctx) return refuse(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (f->module->ctx != ctx)
     return refuse(CUDA_ERROR_INVALID_HANDLE, "the function's module belongs to another context");

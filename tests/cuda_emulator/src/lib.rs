@@ -201,6 +201,8 @@ pub struct DeviceBuffer {
 
 // SAFETY: the buffer is plain memory owned by this value.
 unsafe impl Send for DeviceBuffer {}
+// SAFETY: shared references only read the memory or its address; writing takes `&mut`.
+unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
     /// The "device" address.
