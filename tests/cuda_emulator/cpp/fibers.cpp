@@ -460,7 +460,14 @@ extern "C" int emu_run_grid(const emu::Kernel* kernel, emu::Dim grid, emu::Dim b
   run.fibers = std::vector<Fiber>(run.threads);
   // Stacks are kept for the next launch on this OS thread (touching fresh ones page by page
   // would cost more than the kernels).
-  thread_local std::vector<char*> stacks;
+  struct Stacks {
+    std::vector<char*> v;
+    ~Stacks() {
+      for (char* s : v) free(s);
+    }
+  };
+  thread_local Stacks cache;
+  std::vector<char*>& stacks = cache.v;
   while (stacks.size() < (size_t)run.threads) {
     char* stack = (char*)malloc(kStackBytes);
     if (!stack) abort();
