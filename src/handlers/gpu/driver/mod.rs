@@ -36,7 +36,7 @@ mod cuda;
 mod launch;
 mod library;
 mod module;
-mod nvrtc;
+pub mod nvrtc;
 
 pub use cuda::{cuda, CaptureStatus, Cuda, StreamDevice};
 pub use launch::{KernelSignature, Launch, LaunchConfig, Param};
