@@ -176,7 +176,8 @@ fn compare(what: &str, got: &[f64], want: &[f64], tol: f64) -> Result<(), String
     }
     let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if !((g - w).abs() <= tol * (w.abs() + scale)) {
+        let close = (g - w).abs() <= tol * (w.abs() + scale); // false for NaN
+        if !close {
             return Err(format!(
                 "MISMATCH {what}[{i}]: got {g}, want {w} (tol {tol:e})"
             ));
@@ -464,13 +465,11 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
     Ok(())
 }
 
+/// y, dx, dw.
+type Results = (Vec<f64>, Vec<f64>, Vec<f64>);
+
 /// The CPU bundles' y, dx, dw on host copies of the same inputs (rstd from the CPU forward).
-fn cpu_results(
-    case: &Case,
-    x: &[u8],
-    w: Option<&[u8]>,
-    dy: &[u8],
-) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>), String> {
+fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Results, String> {
     let xd = case.x;
     let ad = acc_dtype(xd);
     let (xdims, wdims) = (case.x_dims(), case.w_dims());

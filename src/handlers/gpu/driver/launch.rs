@@ -162,11 +162,12 @@ impl<'m> Launch<'m> {
         let _current = CurrentContext::enter(cuda, self.module.ctx)?;
         let mut buffer = self.buffer;
         let mut size = self.function.signature.packed_bytes();
-        // CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END.
+        // CU_LAUNCH_PARAM_BUFFER_POINTER ((void*)1), CU_LAUNCH_PARAM_BUFFER_SIZE ((void*)2),
+        // CU_LAUNCH_PARAM_END (null): markers, not addresses.
         let mut extra: [*mut c_void; 5] = [
-            1 as *mut c_void,
+            ptr::without_provenance_mut(1),
             buffer.as_mut_ptr().cast(),
-            2 as *mut c_void,
+            ptr::without_provenance_mut(2),
             (&mut size as *mut usize).cast(),
             ptr::null_mut(),
         ];
