@@ -708,7 +708,7 @@ fn planted_bugs_make_the_matrix_fail() {
         return;
     };
     let bugs = planted_bugs();
-    assert!(bugs.len() >= 7, "{} planted bugs", bugs.len());
+    assert!(bugs.len() >= 9, "{} planted bugs", bugs.len());
     // Every pattern must still match the kernels exactly once: fail loudly rather than skip.
     for bug in &bugs {
         let n = kernels::SOURCE.matches(bug.find.as_str()).count();
@@ -762,7 +762,7 @@ fn planted_bugs_make_the_matrix_fail() {
         }
         match failures.first() {
             Some(first) => report.push(format!(
-                "caught {name}: {} of {} cases failed; first: {}",
+                "caught {name}: {} of {} cases failed; first: {}{}",
                 failures.len(),
                 quick.len(),
                 first
@@ -771,7 +771,12 @@ fn planted_bugs_make_the_matrix_fail() {
                     .unwrap_or("")
                     .chars()
                     .take(300)
-                    .collect::<String>()
+                    .collect::<String>(),
+                if first.contains("cuLaunchKernel") {
+                    format!(" (the emulator: {})", fake.last_error())
+                } else {
+                    String::new()
+                }
             )),
             None => missed.push(name.clone()),
         }
