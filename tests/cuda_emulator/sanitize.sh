@@ -10,6 +10,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 src="$here/../../src/handlers/gpu/rmsnorm.cu"
 out="${1:-$here/../../target/gpu-sanitize}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # absolute: the compiler resolves quoted includes from the source
 CXX="${CXX:-g++}"
 cpp="$here/cpp"
 common=(-std=c++17 -g -fno-omit-frame-pointer -fno-strict-aliasing -Wno-unknown-pragmas -I"$cpp")
