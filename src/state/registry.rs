@@ -94,6 +94,11 @@ impl LiveState {
         self.record.id
     }
 
+    /// The target this state was made for.
+    pub fn target(&self) -> &'static str {
+        self.record.target
+    }
+
     pub fn executions(&self) -> u64 {
         self.record.executions()
     }

@@ -92,12 +92,12 @@ impl DeviceSlots {
             let cuda = driver::cuda()?;
             if cuda.capture_status(stream)? != CaptureStatus::None {
                 return Err(FfiError::failed_precondition(format!(
-                    "rmsnorm_ffi: {} was asked to run on CUDA device {} while its stream is \
+                    "rmsnorm_ffi: `{}` was asked to run on CUDA device {} while its stream is \
                      being captured into a CUDA graph, but its GPU resources were never loaded \
                      there (XLA did not run the initialize stage first). Loading them now would \
                      invalidate the capture; run the executable once without command buffers, \
                      or use an XLA that runs initialize before recording.",
-                    live_target(live),
+                    live.target(),
                     device.device
                 )));
             }
@@ -130,15 +130,4 @@ impl DeviceSlots {
         }
         Ok(cell)
     }
-}
-
-fn live_target(live: &LiveState) -> String {
-    crate::state::snapshot()
-        .states
-        .iter()
-        .find(|s| s.id == live.id())
-        .map_or_else(
-            || "a GPU call site".to_string(),
-            |s| format!("`{}`", s.target),
-        )
 }
