@@ -22,7 +22,7 @@ DEPS_NEW := $(VENV_NEW)/.deps-installed
 WHEEL_NEW := target/wheel-new
 
 .PHONY: demo stateful-demo counter-bundle memcheck test bench develop rust-test python-test \
-	python-test-new clean
+	python-test-new gpu-emulate gpu-sanitize clean
 
 $(DEPS): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,11 +63,25 @@ stateful-demo: develop
 counter-bundle:
 	CARGO_TARGET_DIR=target/counter_bundle cargo build --release --quiet --manifest-path examples/counter_bundle/Cargo.toml
 
-# RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs.
+# RMSNORM_FFI_SITE_PACKAGES: where pip put nvidia-cuda-nvrtc/-nvcc, for tests/gpu_kernels.rs and
+# tests/gpu_emulated.rs (NVRTC compiles the real kernels there too).
+SITE_PACKAGES = RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rust-test: $(DEPS)
 	XLA_FFI_INCLUDE_DIR="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
-	RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-		cargo test --features fake-runtime
+	$(SITE_PACKAGES) cargo test --features fake-runtime
+
+# The CUDA path without a GPU, alone (rust-test runs it too): the real GPU bundles through the
+# fake XLA runtime, the product's driver layer loading the fake libcuda of tests/cuda_emulator,
+# NVRTC from pip compiling the kernels, the kernels themselves (rmsnorm.cu as host C++) on the
+# CPU emulator; the planted bugs; the fake's checks. About 2 minutes on 2 cores.
+gpu-emulate: $(DEPS)
+	$(SITE_PACKAGES) cargo test --features fake-runtime --test gpu_emulated
+
+# The emulated kernels under AddressSanitizer+UBSan (full sweep) and ThreadSanitizer (a subset,
+# and a planted race it must report), in a standalone C++ harness: TSan cannot see through the
+# uninstrumented Rust host. About 3 minutes on 2 cores.
+gpu-sanitize:
+	tests/cuda_emulator/sanitize.sh target/gpu-sanitize
 
 # The fuzzed call frames again under valgrind's memcheck (fewer cases: it runs ~50x slower), so
 # an invalid read or write that happens not to crash still fails the run. Skipped, saying so,
@@ -100,7 +114,7 @@ python-test-new: $(DEPS) $(DEPS_NEW)
 	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_NEW)/*.whl
 	$(PY_NEW) -m pytest -q $(NEW_STACK_TESTS)
 
-test: rust-test memcheck python-test python-test-new
+test: rust-test gpu-sanitize memcheck python-test python-test-new
 
 # The benchmark suite: a table of times and ratios, bench/out/results.json and a PNG plot.
 # BENCH_ARGS passes options to bench/bench.py (the README test uses `--quick --out DIR`).

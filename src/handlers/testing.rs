@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use crate::ffi::attrs::ArrayAttr;
 use crate::ffi::{
-    AttrValue, Attrs, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult,
-    Initialize, Instantiate, NoState, Prepare, ResultBuffer, Scalar, Stage,
+    ArgsView, AttrValue, Attrs, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult,
+    Initialize, Instantiate, NoState, Prepare, ResultBuffer, ResultList, Scalar, Stage,
 };
 use crate::state::LiveState;
 
@@ -106,10 +106,14 @@ impl Prepare for Stages {
 }
 
 impl Initialize for Stages {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ResultList<'a>;
     type Attrs<'a> = StagesAttrs<'a>;
     fn initialize(
         state: &StagesState,
         _ctx: &Context<'_>,
+        _args: ArgsView<'_>,
+        _rets: ResultList<'_>,
         attrs: StagesAttrs<'_>,
     ) -> FfiResult<()> {
         misbehave(&attrs, Stage::Initialize)?;

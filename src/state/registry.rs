@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use once_cell::sync::Lazy;
+use parking_lot::Mutex;
 
 /// What the registry keeps about one live state.
 #[derive(Debug)]
@@ -19,6 +20,9 @@ pub struct StateRecord {
     pub target: &'static str,
     pub type_name: &'static str,
     executions: AtomicU64,
+    /// What the state says about itself (e.g. which stage loaded a device's resources), set
+    /// off the hot path and shown by `stats()`.
+    details: Mutex<BTreeMap<String, String>>,
 }
 
 impl StateRecord {
@@ -75,6 +79,7 @@ impl LiveState {
             target,
             type_name,
             executions: AtomicU64::new(0),
+            details: Mutex::new(BTreeMap::new()),
         });
         let target_executions = registry.target_counter(target);
         registry.states.insert(id, Arc::clone(&record));
@@ -89,8 +94,19 @@ impl LiveState {
         self.record.id
     }
 
+    /// The target this state was made for.
+    pub fn target(&self) -> &'static str {
+        self.record.target
+    }
+
     pub fn executions(&self) -> u64 {
         self.record.executions()
+    }
+
+    /// Sets one detail shown in this state's `stats()` entry (takes a lock: not for the hot
+    /// path).
+    pub fn set_detail(&self, key: impl Into<String>, value: impl Into<String>) {
+        self.record.details.lock().insert(key.into(), value.into());
     }
 
     /// Counts one execution of this state (and of its target). No allocation, no lock.
@@ -115,6 +131,7 @@ pub struct StateSnapshot {
     pub target: &'static str,
     pub type_name: &'static str,
     pub executions: u64,
+    pub details: BTreeMap<String, String>,
 }
 
 /// A point-in-time copy of the registry's figures.
@@ -143,6 +160,7 @@ pub fn snapshot() -> Snapshot {
                 target: r.target,
                 type_name: r.type_name,
                 executions: r.executions(),
+                details: r.details.lock().clone(),
             }
         })
         .collect();
