@@ -197,6 +197,22 @@ pub fn forward_operands<'a, 'r>(
     count("results", rets.len(), 2)?;
     let (x, w, layout) = x_and_weight(args, has_weight, row_len)?;
     let (y, rstd) = (result(rets, 0)?, result(rets, 1)?);
+    check_forward_results(&x, &y, &rstd)?;
+    Ok(ForwardOperands {
+        x,
+        w,
+        y,
+        rstd,
+        layout,
+    })
+}
+
+/// y of x's dtype and shape, rstd of the accumulator dtype and x's leading shape.
+fn check_forward_results(
+    x: &AnyBuffer<'_>,
+    y: &AnyResult<'_>,
+    rstd: &AnyResult<'_>,
+) -> Result<(), HandlerError> {
     expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
     let lead = &x.dims()[..x.rank() - 1];
     expect(
@@ -205,14 +221,7 @@ pub fn forward_operands<'a, 'r>(
         rstd.dims(),
         acc_dtype(x.dtype()),
         lead,
-    )?;
-    Ok(ForwardOperands {
-        x,
-        w,
-        y,
-        rstd,
-        layout,
-    })
+    )
 }
 
 /// The checked operands of one `rmsnorm_residual_fwd` call: x, the residual, the optional
@@ -250,16 +259,8 @@ pub fn residual_operands<'a, 'r>(
         None => 1,
     };
     let (y, h, rstd) = (result(rets, 0)?, result(rets, 1)?, result(rets, 2)?);
-    expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
+    check_forward_results(&x, &y, &rstd)?;
     expect(h.operand(), h.dtype(), h.dims(), x.dtype(), x.dims())?;
-    let lead = &x.dims()[..x.rank() - 1];
-    expect(
-        rstd.operand(),
-        rstd.dtype(),
-        rstd.dims(),
-        acc_dtype(x.dtype()),
-        lead,
-    )?;
     Ok(ResidualOperands {
         forward: ForwardOperands {
             x,
