@@ -1,13 +1,29 @@
 """RMS norm benchmark suite: ours against the floor and the jnp reference, measured side by
 side in one run, reported as ratios.
 
-For each shape and dtype it times (best of --reps after warm-up, variants interleaved in a shuffled
-order so that drift and cache state hit them alike):
+For each shape and dtype it times --reps rounds after warm-up, each round timing every variant
+once in a new shuffled order, so that drift and cache state hit them alike:
   forward:          ours `rms_norm(x, w)`, floor `x * c`, jnp reference;
   forward+backward: ours `jax.vjp(rms_norm, x, w)` then the pullback, floor `x * dy * c`,
                     jnp reference the same way.
-The order of the variants is shuffled every round. The floor moves the same bytes with the same
-output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+Times are medians over the rounds; a ratio is the median over rounds of that round's ratio, printed
+with its 25th-75th percentile spread (the statistic the speed targets are stated in). The floor
+moves the same bytes with the same output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+
+Then a sharded case, in a subprocess with --sharded-devices (default 4) forced host devices (the
+device count is fixed when JAX starts): the training-step shape of the norm, `jax.grad` in x and
+w of `sum(norm(x, w) * dy)`, rows sharded P("data") over a mesh of all the devices (explicit and
+automatic), ours against the jnp reference on the same mesh. What it reports, per variant:
+  wall ms:   the wall time of one sharded step on all the devices (not a per-device time), best
+             of the reps;
+  /1dev:     wall over the same step on the whole batch on one device, timed in the same loop.
+             The forced devices share this machine's cores, so split rows cost about what one
+             device does (less where smaller per-device buffers fault and cache better);
+  repl ms:   the same step with x replicated instead of sharded, so that every device does every
+             row: what replicated work costs, measured rather than inferred (a step that all-
+             gathered its rows would cost about this);
+  gathers:   all-gather ops in the compiled sharded program (0: no operand is gathered);
+  ours/jnp:  our sharded wall time over the jnp reference's on the same mesh.
 """
 
 from __future__ import annotations
@@ -15,6 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -22,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import rmsnorm_ffi
-from rmsnorm_ffi import rms_norm, rms_norm_reference
+from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual
 
 SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128)]
 DTYPES = ["float32", "bfloat16"]
+SHARDED_SHAPES = [(1024, 4096), (16384, 1024)]  # float32; rows divisible by the devices
+SHARDED_QUICK = [(256, 1024)]
 
 
 def variants(dtype):
@@ -45,10 +66,17 @@ def variants(dtype):
         "fwd+bwd ours": (vjp_of(rms_norm), "x,w,dy"),
         "fwd+bwd floor": (jax.jit(lambda x, w, dy: x * dy * c), "x,w,dy"),
         "fwd+bwd jnp": (vjp_of(rms_norm_reference), "x,w,dy"),
+        # The residual add of a pre-norm block (dy stands in for the residual): fused, the
+        # add then our norm, the add then jnp's norm. Each returns (y, h).
+        "res fused": (jax.jit(lambda x, w, dy: rms_norm_residual(x, dy, w)), "x,w,dy"),
+        "res unfused": (jax.jit(lambda x, w, dy: (rms_norm(x + dy, w), x + dy)), "x,w,dy"),
+        "res jnp": (jax.jit(lambda x, w, dy: (rms_norm_reference(x + dy, w), x + dy)), "x,w,dy"),
     }
 
 
 def measure(shape, dtype, reps):
+    """Per variant, its wall time (ms) in each of `reps` rounds; every round times every
+    variant once, in a new shuffled order."""
     key = jax.random.key(0)
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
     dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
@@ -57,7 +85,7 @@ def measure(shape, dtype, reps):
     for fn, _ in fns.values():  # compile and warm up
         for _ in range(3):
             jax.block_until_ready(fn(x, w, dy))
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     if np.prod(shape) <= 1 << 16:
         reps *= 10  # small shapes: cheap, and dispatch noise needs more samples
     order = list(fns.items())
@@ -69,50 +97,187 @@ def measure(shape, dtype, reps):
         for name, (fn, _) in order:
             start = time.perf_counter()
             jax.block_until_ready(fn(x, w, dy))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def ratio(times: dict, num: str, den: str) -> tuple[float, float, float]:
+    """The median over rounds of the per-round ratio num/den, with its 25th and 75th
+    percentiles: each round times both variants back to back, so the ratio cancels the drift
+    that moves both (a best-of ratio takes its two times from different rounds)."""
+    r = np.asarray(times[num]) / np.asarray(times[den])
+    return float(np.median(r)), float(np.percentile(r, 25)), float(np.percentile(r, 75))
+
+
+def best_times(fns: dict, args: dict, reps: int) -> dict:
+    """Best wall time (ms) of each `fns[name](*args[name])`, the order shuffled every round."""
+    for name, fn in fns.items():
+        for _ in range(3):
+            jax.block_until_ready(fn(*args[name]))
+    best = {name: float("inf") for name in fns}
+    order = list(fns)
+    rng = np.random.default_rng(0)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name](*args[name]))
             best[name] = min(best[name], time.perf_counter() - start)
-    return {k: v * 1e3 for k, v in best.items()}  # ms
+    return {k: v * 1e3 for k, v in best.items()}
+
+
+def all_gathers(hlo: str) -> int:
+    return len(re.findall(r"\ball-gather(-start)?\(", hlo))
+
+
+def sharded_worker(devices: int, shapes, reps: int) -> list[dict]:
+    """The sharded case (runs in the subprocess that has `devices` host devices): one dict per
+    shape and mesh kind, times in ms."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.device_count() == devices, (jax.device_count(), devices)
+    norms = {"ours": rms_norm, "jnp": rms_norm_reference}
+
+    def step(norm):
+        return jax.jit(jax.grad(lambda x, w, dy: jnp.sum(norm(x, w) * dy), argnums=(0, 1)))
+
+    rows = []
+    for shape in shapes:
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+        dy = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+        w = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), shape[-1:], jnp.float32)
+        # Every variant of this shape is timed in one shuffled loop, so drift hits them alike:
+        # the whole batch on one device, then per mesh kind sharded and replicated x.
+        one = [jax.device_put(a, jax.devices()[0]) for a in (x, w, dy)]
+        fns = {(impl, "one device"): step(norm).lower(*one).compile() for impl, norm in norms.items()}
+        fn_args = {key: one for key in fns}
+        gathers = {}
+        for kind, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
+            mesh = jax.make_mesh((devices,), ("data",), axis_types=(axis_type,))
+            with jax.set_mesh(mesh):
+                put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+                operands = {"sharded": [put(x, "data"), put(w), put(dy, "data")], "replicated": [put(x), put(w), put(dy)]}
+                for impl, norm in norms.items():
+                    for variant, args in operands.items():
+                        compiled = step(norm).lower(*args).compile()
+                        fns[impl, kind, variant], fn_args[impl, kind, variant] = compiled, args
+                        if variant == "sharded":
+                            gathers[impl, kind] = all_gathers(compiled.as_text())
+        t = best_times(fns, fn_args, reps)
+        for kind in ("explicit", "auto"):
+            for impl in norms:
+                rows.append({
+                    "shape": list(shape), "mesh": kind, "impl": impl, "devices": devices,
+                    "wall ms": t[impl, kind, "sharded"], "one device ms": t[impl, "one device"],
+                    "replicated ms": t[impl, kind, "replicated"], "all_gathers": gathers[impl, kind],
+                    **({"jnp wall ms": t["jnp", kind, "sharded"]} if impl == "ours" else {}),
+                })
+    return rows
+
+
+def run_sharded(devices: int, quick: bool, reps: int) -> list[dict]:
+    """Runs `sharded_worker` in a fresh interpreter with `devices` forced host devices and
+    prints its lines; returns its rows."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip())
+    command = [sys.executable, os.path.abspath(__file__), "--sharded-worker", str(devices), "--reps", str(reps)]
+    if quick:
+        command.append("--quick")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"sharded benchmark failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    print()
+    print(f"sharded fwd+bwd (jax.grad of sum(norm(x, w) * dy) in x and w), float32, {devices} host devices, "
+          f"rows sharded P('data'), best of {reps}")
+    print(f"  wall = wall time of one step on all {devices} devices (not per device; they share this machine's "
+          f"{os.cpu_count()} cores); /1dev = wall / the same step on one device (whole batch); "
+          f"repl = x replicated instead, so every device does every row: replicated work costs that")
+    for row in rows:
+        print(
+            f"  {'x'.join(map(str, row['shape'])):>11} {row['mesh']:>8} {row['impl']:>4} | "
+            f"wall {row['wall ms']:8.3f} ms  /1dev {row['wall ms'] / row['one device ms']:5.2f}x "
+            f"(1dev {row['one device ms']:8.3f} ms)  repl {row['replicated ms']:8.3f} ms | "
+            f"all-gathers {row['all_gathers']}"
+            + (f" | ours/jnp {row['wall ms'] / row['jnp wall ms']:5.2f}x" if "jnp wall ms" in row else ""),
+            flush=True,
+        )
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=30, help="timed runs per variant (best is kept)")
+    parser.add_argument("--reps", type=int, default=30, help="timed rounds (every variant once per round)")
     parser.add_argument("--out", default="bench/out", help="folder for results.json and rmsnorm_cpu.png")
     parser.add_argument("--quick", action="store_true", help="small shapes only, few reps (smoke test)")
+    parser.add_argument("--shapes", help="comma-separated ROWSxN shapes instead of the suite's (e.g. 256x4096,64x16384)")
+    parser.add_argument("--dtypes", help="comma-separated dtypes instead of the suite's (e.g. float32,bfloat16)")
+    parser.add_argument("--sharded-devices", type=int, default=4,
+                        help="host devices for the sharded case (default 4; 0 skips it)")
+    parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shapes = [(8, 128), (64, 256)] if args.quick else SHAPES
     reps = 3 if args.quick else args.reps
+    if args.sharded_worker:
+        rows = sharded_worker(args.sharded_worker, SHARDED_QUICK if args.quick else SHARDED_SHAPES, reps)
+        print(json.dumps(rows))
+        return
+    shapes = [(8, 128), (64, 256)] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    dtypes = args.dtypes.split(",") if args.dtypes else DTYPES
     os.makedirs(args.out, exist_ok=True)
 
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, best of {reps}")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, {reps} rounds; "
+        "ms: median; ratios: median of per-round ratios [25th-75th percentile]"
+    )
     header = (
-        f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>7} {'/jnp':>6} | "
-        f"{'f+b ms':>8} {'/floor':>7} {'/jnp':>6} | {'floor f':>8} {'jnp f':>8} {'floor fb':>8} {'jnp fb':>8}"
+        f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>17} {'/jnp':>6} | "
+        f"{'f+b ms':>8} {'/floor':>17} {'/jnp':>6} | {'floor f':>8} {'jnp f':>8} {'floor fb':>8} {'jnp fb':>8}"
     )
     print(header)
     print("-" * len(header))
     rows = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         for shape in shapes:
-            t = measure(shape, dtype, reps)
+            times = measure(shape, dtype, reps)
+            t = {name: float(np.median(v)) for name, v in times.items()}
+            fwd, fb = ratio(times, "fwd ours", "fwd floor"), ratio(times, "fwd+bwd ours", "fwd+bwd floor")
             row = {
                 "shape": list(shape),
                 "dtype": dtype,
                 **t,
-                "fwd / floor": t["fwd ours"] / t["fwd floor"],
-                "fwd / jnp": t["fwd ours"] / t["fwd jnp"],
-                "fwd+bwd / floor": t["fwd+bwd ours"] / t["fwd+bwd floor"],
-                "fwd+bwd / jnp": t["fwd+bwd ours"] / t["fwd+bwd jnp"],
+                "fwd / floor": fwd[0],
+                "fwd / floor spread": fwd[1:],
+                "fwd / jnp": ratio(times, "fwd ours", "fwd jnp")[0],
+                "fwd+bwd / floor": fb[0],
+                "fwd+bwd / floor spread": fb[1:],
+                "fwd+bwd / jnp": ratio(times, "fwd+bwd ours", "fwd+bwd jnp")[0],
+                "residual fused / unfused": ratio(times, "res fused", "res unfused")[0],
+                "residual fused / jnp": ratio(times, "res fused", "res jnp")[0],
             }
             rows.append(row)
+            spread = lambda r: f"{r[0]:5.2f}x [{r[1]:4.2f}-{r[2]:4.2f}]"  # noqa: E731
             print(
-                f"{'x'.join(map(str, shape)):>12} {dtype:>9} | {t['fwd ours']:8.3f} {row['fwd / floor']:6.2f}x "
-                f"{row['fwd / jnp']:5.2f}x | {t['fwd+bwd ours']:8.3f} {row['fwd+bwd / floor']:6.2f}x "
+                f"{'x'.join(map(str, shape)):>12} {dtype:>9} | {t['fwd ours']:8.3f} {spread(fwd):>17} "
+                f"{row['fwd / jnp']:5.2f}x | {t['fwd+bwd ours']:8.3f} {spread(fb):>17} "
                 f"{row['fwd+bwd / jnp']:5.2f}x | {t['fwd floor']:8.3f} {t['fwd jnp']:8.3f} "
                 f"{t['fwd+bwd floor']:8.3f} {t['fwd+bwd jnp']:8.3f}",
                 flush=True,
             )
+    print("\nresidual add + norm, (y, h) = (norm(x + r), x + r): fused rms_norm_residual against the add then")
+    print("our norm, and the add then jnp's norm (median ms; ratios: median of per-round ratios)")
+    for row in rows:
+        print(
+            f"{'x'.join(map(str, row['shape'])):>12} {row['dtype']:>9} | fused {row['res fused']:8.3f} ms | "
+            f"add+ours {row['res unfused']:8.3f} ms ({row['residual fused / unfused']:4.2f}x) | "
+            f"add+jnp {row['res jnp']:8.3f} ms ({row['residual fused / jnp']:4.2f}x)"
+        )
+    sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
+        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "sharded": sharded,
+                   "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
     plot(rows, os.path.join(args.out, "rmsnorm_cpu.png"))
 
 

@@ -1,27 +1,71 @@
-"""GPU check for the CUDA RMS norm: correctness against a float64 reference, then timings.
+"""The device check of the CUDA RMS norm: one command of at most about 5 minutes on a lent GPU.
 
-Run on a machine with an NVIDIA GPU and jax with a CUDA plugin (no Rust needed):
+Run on the GPU machine (no Rust there: install the abi3 wheel built elsewhere):
 
-    pip install --no-deps dist/rmsnorm_ffi-*.whl   # the abi3 wheel built elsewhere
-    python bench/gpu_check.py [--quick]
+    pip install --no-deps rmsnorm_ffi-*.whl
+    OUT=/some/dir python bench/gpu_check.py [--budget SECONDS] [--quick]
 
-1. Correctness: rms_norm_fwd / rms_norm_bwd / grad of rms_norm for float32, bfloat16, float16
-   and float64 (x64 on), with and without a weight (x's dtype and float32), odd row lengths
-   (scalar path), short and long rows, a vmapped (batched) weight, against numpy float64.
-2. Timings, per iteration of a jitted fori_loop (so dispatch does not count), for
-   M in {4096, 16384} x N in {1024, 4096, 8192, 16384}, bfloat16 and float32: forward and
-   backward (with weight) against a device copy (y = x * c, same bytes in and out) and against
-   jnp. GB/s counts the bytes an op must move: forward x + y, backward x + dy + dx.
-   Targets (H200): forward bf16, N >= 4096, >= 90% of copy bandwidth; backward >= 85%; both
-   faster than jnp. The table prints last.
+Sections, in order, each written to $OUT/gpu_check.jsonl as soon as it has a result (so a
+timeout still returns data), each in a try block of its own:
+
+ 1. smoke: libcuda and NVRTC (path, version), the devices, one forward call.
+ 2. correctness: forward and backward (and grad) for float32/bfloat16/float16/float64, weights
+    of x's dtype and float32, odd rows (scalar path), zero rows, long rows (streaming path), a
+    batched weight, against float64 NumPy and against the CPU bundle on the same inputs;
+    dweight bitwise reproducible run to run.
+ 3. initialize: stats() says each GPU state's resources were loaded in the initialize stage.
+ 4. graphs: a step of 6+ ops around the norms under XLA command buffers (custom calls included)
+    in a child process: the first execution is captured, later ones replay (the handler runs
+    fewer times than the step), new input buffers re-record, and the results are bitwise equal
+    to a child without command buffers.
+ 5. concurrency: two threads make the first call of a fresh executable at once.
+ 6. big: more than 2^31 elements (bfloat16), forward and backward, sampled rows vs float64.
+ 7. growth: 50 call sites compiled, run and dropped: live states back to the baseline, XLA's
+    bytes in use back, one module per device.
+ 8. bandwidth: GB/s of forward and backward against a device copy, against jnp, and against the
+    Pallas RMS norm jax ships (if importable), M in {4096, 16384} x N in {1024, 4096, 8192,
+    16384}, bfloat16 and float32; each timing runs k independent calls in one executable on k
+    distinct buffers, k chosen so that k buffers exceed 4x the L2 (read off the device), so
+    small shapes are not timed from cache. bfloat16 first; stops early to leave the last
+    minute to:
+ 9. sanitizer: compute-sanitizer memcheck, racecheck and synccheck on a small sweep in child
+    processes (kernels compiled with -lineinfo), if compute-sanitizer is on PATH or in
+    /usr/local/cuda/bin.
+
+A table prints last (and goes to $OUT/table.txt). Exit status 0 only if every check passed.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-import jax
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ARGS.add_argument("--budget", type=float, default=290.0, help="seconds for the whole run")
+ARGS.add_argument("--quick", action="store_true", help="fewer shapes everywhere")
+ARGS.add_argument("--child", choices=["graphs", "nographs", "sanitize"], help=argparse.SUPPRESS)
+ARGS.add_argument("--child-out", help=argparse.SUPPRESS)
+OPTS = ARGS.parse_args()
+
+if OPTS.child == "graphs":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    )
+if OPTS.child == "nographs":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+if OPTS.child == "sanitize":
+    os.environ["RMSNORM_FFI_NVRTC_LINEINFO"] = "1"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -29,148 +73,482 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rmsnorm_ffi  # noqa: E402
+from rmsnorm_ffi import _native  # noqa: E402
 
-QUICK = "--quick" in sys.argv
+if not OPTS.child and not any(d.platform == "gpu" for d in jax.devices()):
+    print(f"gpu_check: no GPU here (jax sees {jax.devices()}); gpu_info: {_native.gpu_info()}")
+    sys.exit(2)
+
+START = time.monotonic()
+OUT = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
+OUT.mkdir(parents=True, exist_ok=True)
+LOG = OUT / ("gpu_check.jsonl" if not OPTS.child else f"child_{OPTS.child}.jsonl")
+SUMMARY: list[tuple[str, str, str]] = []  # (section, status, detail)
+FAILED = False
 
 
-def ref_np(x, w, eps, dy):
+def left() -> float:
+    return OPTS.budget - (time.monotonic() - START)
+
+
+def record(section: str, **data) -> None:
+    """Appends one result to the log, flushed at once."""
+    data = {"section": section, "t": round(time.monotonic() - START, 2), **data}
+    with LOG.open("a") as f:
+        f.write(json.dumps(data, default=str) + "\n")
+        f.flush()
+    print(json.dumps(data, default=str), flush=True)
+
+
+def section(name: str, needs: float):
+    """Runs a section if `needs` seconds are left; records pass/fail/skip and any exception."""
+
+    def wrap(fn):
+        global FAILED
+        if left() < needs:
+            SUMMARY.append((name, "skipped", f"{left():.0f} s left, needs ~{needs:.0f}"))
+            record(name, status="skipped", reason="time")
+            return fn
+        t = time.monotonic()
+        try:
+            ok, detail = fn()
+        except Exception as e:  # noqa: BLE001 - every failure is data here
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        status = "pass" if ok else "FAIL"
+        FAILED |= not ok
+        SUMMARY.append((name, status, f"{detail} ({time.monotonic() - t:.0f} s)"))
+        record(name, status=status, detail=detail)
+        return fn
+
+    return wrap
+
+
+def gpu():
+    return jax.devices("gpu")[0]
+
+
+def on(dev, x):
+    return jax.device_put(x, dev)
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------------
+
+EPS = 1e-5
+TOL = {"float32": 2e-5, "float64": 1e-12, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+def ref_np(x, w, dy, eps=EPS):
+    """float64 y, rstd, dx, dw (dw per weight row for a batched weight)."""
     x = np.asarray(x, np.float64)
     dy = np.asarray(dy, np.float64)
     n = x.shape[-1]
+    eps = float(np.float32(eps))  # eps travels as a float32 attribute
     r = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
     wf = np.ones(n) if w is None else np.asarray(w, np.float64)
+    if wf.ndim > 1:
+        wf = wf.reshape(wf.shape[:-1] + (1,) * (x.ndim - wf.ndim) + (n,))
     y = x * r * wf
     g = dy * wf
     dx = r * g - x * r**3 / n * (g * x).sum(-1, keepdims=True)
-    lead = x.shape[:-1]
     if w is not None and np.asarray(w).ndim > 1:
         dw = (dy * x * r).reshape(np.asarray(w).shape[:-1] + (-1, n)).sum(-2)
     else:
         dw = (dy * x * r).reshape(-1, n).sum(0)
-    return y, r[..., 0], dx, dw, lead
+    return y, r[..., 0], dx, dw
 
 
-TOL = {jnp.float32: 2e-5, jnp.float64: 1e-12, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
-
-
-def close(name, got, want, tol, scale=1.0):
+def err(got, want, scale=1.0):
     got = np.asarray(jnp.asarray(got).astype(jnp.float64))
     want = np.asarray(want, np.float64)
-    err = np.max(np.abs(got - want) / (np.abs(want) + scale)) if want.size else 0.0
-    ok = bool(err <= tol) and got.shape == want.shape
-    print(f"  {'ok ' if ok else 'BAD'} {name:60s} rel.err {err:.2e} (tol {tol:.0e})")
-    return ok
+    if got.shape != want.shape:
+        return float("inf")
+    if want.size == 0:
+        return 0.0
+    return float(np.max(np.abs(got - want) / (np.abs(want) + scale)))
 
 
-def correctness() -> bool:
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
-    print("registered platforms:", rmsnorm_ffi.register())
+# ---------------------------------------------------------------------------------------------
+# Children (graphs, sanitizer)
+# ---------------------------------------------------------------------------------------------
+
+
+def step_fn(x, w, dy):
+    """A step of several ops around the norms (what a model's layer does)."""
+
+    def loss(x, w):
+        h = jnp.tanh(x) * 1.5 + 0.25
+        y = rmsnorm_ffi.rms_norm(h, w)
+        z = rmsnorm_ffi.rms_norm(y * y + h, w)
+        return jnp.sum(z * dy)
+
+    value, (gx, gw) = jax.value_and_grad(loss, (0, 1))(x, w)
+    return value, gx * 0.5, gw + 1.0
+
+
+def child_graphs(out: str) -> None:
+    dev = gpu()
+    rng = np.random.default_rng(7)
+    f = jax.jit(step_fn)
+    runs = []
+    for seed in range(3):  # three sets of buffers: the second and third re-record
+        x = on(dev, jnp.asarray(rng.standard_normal((256, 1024)), jnp.float32))
+        w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, 1024), jnp.float32))
+        dy = on(dev, jnp.asarray(rng.standard_normal((256, 1024)), jnp.float32))
+        for _ in range(5):
+            res = jax.block_until_ready(f(x, w, dy))
+        runs.append([np.asarray(r) for r in res])
+    s = rmsnorm_ffi.stats()
+    np.savez(out, *[a for r in runs for a in r])
+    with open(out + ".json", "w") as fh:
+        json.dump({"executions": s["executions"], "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                   "details": [st.get("details", {}) for st in s["states"]]}, fh)
+
+
+def child_sanitize() -> None:
+    dev = gpu()
+    rng = np.random.default_rng(3)
+    for dt in (jnp.float32, jnp.bfloat16):
+        for shape in ((3, 67), (37, 256), (2, 4096), (2, 20000), (2, 3, 64)):
+            x = on(dev, jnp.asarray(rng.standard_normal(shape), dt))
+            w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), dt))
+            if len(shape) == 3:
+                w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, (shape[0], shape[-1])), dt))
+                y, r = jax.vmap(rmsnorm_ffi.rms_norm_fwd)(x, w)
+                jax.block_until_ready(jax.vmap(rmsnorm_ffi.rms_norm_bwd)(x, w, r, x))
+                continue
+            y, r = jax.jit(rmsnorm_ffi.rms_norm_fwd)(x, w)
+            jax.block_until_ready(jax.jit(rmsnorm_ffi.rms_norm_bwd)(x, w, r, x))
+    print("sanitize child done", flush=True)
+
+
+if OPTS.child in ("graphs", "nographs"):
+    child_graphs(OPTS.child_out)
+    sys.exit(0)
+if OPTS.child == "sanitize":
+    child_sanitize()
+    sys.exit(0)
+
+
+def run_child(kind: str, timeout: float, prefix: list[str] | None = None, out: str | None = None):
+    cmd = (prefix or []) + [sys.executable, __file__, "--child", kind]
+    if out:
+        cmd += ["--child-out", out]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    return p.returncode, p.stdout[-4000:] + p.stderr[-8000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+@section("smoke", needs=20)
+def smoke():
+    info = dict(_native.gpu_info())
+    record("smoke", jax=jax.__version__, backend=jax.default_backend(), devices=str(jax.devices()),
+           gpu_info=info, registered=rmsnorm_ffi.register())
+    dev = gpu()
+    x = on(dev, jnp.ones((8, 128), jnp.float32))
+    y = np.asarray(rmsnorm_ffi.rms_norm(x))
+    ok = np.allclose(y, 1.0, atol=1e-5) and "libcuda" in info and "nvrtc" in info
+    return ok, f"libcuda {info.get('libcuda')}, NVRTC {info.get('nvrtc_version')} from {info.get('nvrtc')}"
+
+
+@section("correctness", needs=40)
+def correctness():
+    dev, cpu = gpu(), jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
-    ok = True
+    bad = []
+    checks = 0
     shapes = [(3, 8), (5, 1000), (7, 1003), (64, 4096), (9, 16384), (4, 40000), (0, 16), (2, 3, 512)]
-    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
-        tol = TOL[dtype]
+    if OPTS.quick:
+        shapes = shapes[:4]
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
+        name = jnp.dtype(dt).name
+        tol = TOL[name]
         for shape in shapes:
             for wkind in (None, "same", "f32"):
-                if wkind == "f32" and dtype == jnp.float32:
+                if wkind == "f32" and dt == jnp.float32:
                     continue
-                x = jnp.asarray(rng.standard_normal(shape), dtype)
-                dy = jnp.asarray(rng.standard_normal(shape), dtype)
+                xh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
+                dyh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
                 n = shape[-1]
-                w = None
+                wh = None
                 if wkind:
-                    wd = dtype if wkind == "same" else jnp.float32
-                    w = jnp.asarray(rng.uniform(0.5, 1.5, n), wd)
-                y, r, dx, dw, _ = ref_np(x, w, 1e-5, dy)
-                tag = f"{jnp.dtype(dtype).name} {shape} w={wkind}"
-                gy, gr = jax.jit(lambda x, w: rmsnorm_ffi.rms_norm_fwd(x, w, 1e-5))(x, w)
-                ok &= close(f"fwd y    {tag}", gy, y, tol)
-                ok &= close(f"fwd rstd {tag}", gr, r, tol)
-                gdx, gdw = jax.jit(rmsnorm_ffi.rms_norm_bwd)(x, w, gr, dy)
-                ok &= close(f"bwd dx   {tag}", gdx, dx, tol * 4)
-                if w is not None:
-                    rows = max(1, int(np.prod(shape[:-1])))
-                    wtol = max(tol, TOL[jnp.float32]) if wkind == "f32" else tol  # dw has w's dtype
-                    ok &= close(f"bwd dw   {tag}", gdw, dw, wtol * 4, scale=np.sqrt(rows))
-    # grad through custom_vjp, and a batched (vmapped) weight.
-    x = jnp.asarray(rng.standard_normal((4, 32, 256)), jnp.float32)
-    w = jnp.asarray(rng.uniform(0.5, 1.5, (4, 256)), jnp.float32)
-    dy = jnp.ones_like(x)
-    y, _, dx, dw, _ = ref_np(x, w[:, None, :], 1e-5, dy)
-    f = jax.vmap(lambda x, w: rmsnorm_ffi.rms_norm(x, w))
-    ok &= close("vmap fwd batched weight", jax.jit(f)(x, w), y, 2e-5)
-    gx, gw = jax.jit(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)))(x, w)
-    ok &= close("vmap grad dx batched weight", gx, dx, 1e-4)
-    dw_ref = (np.asarray(dy, np.float64) * np.asarray(x, np.float64) * (1 / np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1, keepdims=True) + 1e-5))).sum(1)
-    ok &= close("vmap grad dw batched weight", gw, dw_ref, 1e-4, scale=6.0)
-    # Determinism of the weight gradient.
-    x = jnp.asarray(rng.standard_normal((4096, 4096)), jnp.bfloat16)
-    w = jnp.ones(4096, jnp.bfloat16)
+                    wh = np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, n), dt if wkind == "same" else jnp.float32))
+                y, r, dx, dw = ref_np(xh, wh, dyh)
+                res = {}
+                for where, d in (("gpu", dev), ("cpu", cpu)):
+                    x, dy = on(d, xh), on(d, dyh)
+                    w = None if wh is None else on(d, wh)
+                    gy, gr = jax.jit(rmsnorm_ffi.rms_norm_fwd)(x, w)
+                    gdx, gdw = jax.jit(rmsnorm_ffi.rms_norm_bwd)(x, w, gr, dy)
+                    res[where] = (gy, gr, gdx, gdw)
+                tag = f"{name} {shape} w={wkind}"
+                gy, gr, gdx, gdw = res["gpu"]
+                rows = max(1, int(np.prod(shape[:-1])))
+                pairs = [("y", gy, y, tol), ("rstd", gr, r, tol), ("dx", gdx, dx, 4 * tol),
+                         ("y~cpu", gy, res["cpu"][0], 2 * tol), ("dx~cpu", gdx, res["cpu"][2], 8 * tol)]
+                if wh is not None:
+                    wtol = 4 * max(tol, TOL["float32"] if wkind == "f32" else tol)
+                    pairs += [("dw", gdw, dw, wtol * np.sqrt(rows)),
+                              ("dw~cpu", gdw, res["cpu"][3], 2 * wtol * np.sqrt(rows))]
+                for what, got, want, t in pairs:
+                    checks += 1
+                    e = err(got, want)
+                    if not e <= t:
+                        bad.append(f"{what} {tag}: {e:.2e} > {t:.0e}")
+    # A batched (vmapped) weight, and grad through the op.
+    x = on(dev, jnp.asarray(rng.standard_normal((4, 32, 256)), jnp.float32))
+    w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, (4, 256)), jnp.float32))
+    y, _, dx, dw = ref_np(np.asarray(x), np.asarray(w), np.ones(x.shape))
+    f = jax.vmap(rmsnorm_ffi.rms_norm)
+    gx, gw = jax.jit(jax.grad(lambda x, w: f(x, w).sum(), (0, 1)))(x, w)
+    for what, got, want, t in (("vmap y", jax.jit(f)(x, w), y, 2e-5), ("vmap dx", gx, dx, 1e-4),
+                               ("vmap dw", gw, dw, 1e-4)):
+        checks += 1
+        if not err(got, want, scale=6.0) <= t:
+            bad.append(f"{what}: {err(got, want, 6.0):.2e}")
+    # dweight bitwise reproducible.
+    x = on(dev, jnp.asarray(rng.standard_normal((4096, 4096)), jnp.bfloat16))
+    w = on(dev, jnp.ones(4096, jnp.bfloat16))
     _, r = rmsnorm_ffi.rms_norm_fwd(x, w)
     a = np.asarray(rmsnorm_ffi.rms_norm_bwd(x, w, r, x)[1].astype(jnp.float32))
     b = np.asarray(rmsnorm_ffi.rms_norm_bwd(x, w, r, x)[1].astype(jnp.float32))
-    same = bool(np.array_equal(a, b))
-    print(f"  {'ok ' if same else 'BAD'} weight gradient bitwise reproducible")
-    ok &= same
-    print("stats:", {k: v for k, v in rmsnorm_ffi.stats().items() if k != "states"})
-    return ok
+    checks += 1
+    if not np.array_equal(a, b):
+        bad.append("dweight not bitwise reproducible")
+    record("correctness", checks=checks, failures=bad[:50])
+    return not bad, f"{checks} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
 
 
-def per_iter(step, init, iters):
-    """Seconds per iteration of `step` chained `iters` times in one jitted loop (best of 5)."""
-    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda i, c: step(c), c))
-    jax.block_until_ready(loop(init))
+@section("initialize", needs=5)
+def initialize_ran():
+    details = [s.get("details", {}) for s in rmsnorm_ffi.stats()["states"]
+               if "Gpu" in s.get("type", "")]
+    stages = [v for d in details for v in d.values()]
+    record("initialize", details=details[:20])
+    in_init = sum("loaded in initialize" in v for v in stages)
+    in_exec = sum("loaded in execute" in v for v in stages)
+    return bool(stages) and in_exec == 0, f"{in_init} device resources loaded in initialize, {in_exec} in execute"
+
+
+@section("graphs", needs=60)
+def graphs():
+    a, b = str(OUT / "graphs.npz"), str(OUT / "nographs.npz")
+    rc1, log1 = run_child("graphs", timeout=min(120, left()), out=a)
+    rc2, log2 = run_child("nographs", timeout=min(120, left()), out=b)
+    if rc1 or rc2:
+        record("graphs", graphs_log=log1, nographs_log=log2)
+        return False, f"children failed ({rc1}, {rc2})"
+    ga, gb = np.load(a), np.load(b)
+    equal = all(np.array_equal(ga[k], gb[k]) for k in ga.files)
+    ja = json.load(open(a + ".json"))
+    jb = json.load(open(b + ".json"))
+    fwd_g = ja["executions"].get("rmsnorm_fwd", 0)
+    fwd_n = jb["executions"].get("rmsnorm_fwd", 0)
+    record("graphs", executions_with_graphs=ja["executions"], executions_without=jb["executions"],
+           details=ja["details"], bitwise_equal=equal)
+    # Without graphs: 2 forward calls per step, 15 steps. With: recorded once per buffer set.
+    replayed = fwd_g < fwd_n
+    return equal and replayed, (f"bitwise equal: {equal}; forward handler ran {fwd_g} times with "
+                                f"command buffers, {fwd_n} without (replay: {replayed})")
+
+
+@section("concurrency", needs=15)
+def concurrency():
+    dev = gpu()
+    x = on(dev, jnp.asarray(np.random.default_rng(5).standard_normal((512, 2048)), jnp.bfloat16))
+    f = jax.jit(lambda x: rmsnorm_ffi.rms_norm(x * 1.0001))
+    f.lower(x).compile()
+    results, errors = [None, None], []
+    barrier = threading.Barrier(2)
+
+    def go(i):
+        try:
+            barrier.wait()
+            results[i] = np.asarray(f(x).astype(jnp.float32))
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = ref_np(np.asarray(x.astype(jnp.float32)) * 1.0001, None, np.zeros(x.shape))[0]
+    ok = not errors and all(r is not None and err(r, want) < 2e-2 for r in results)
+    return ok, f"errors {errors}" if errors else "both first calls correct"
+
+
+@section("big", needs=40)
+def big():
+    dev = gpu()
+    n = 4096
+    rows = (1 << 31) // n + 3  # 2^31 + 3 * 4096 elements
+    key = jax.random.key(0)
+    x = jax.jit(lambda k: jax.random.normal(k, (rows, n), jnp.bfloat16))(key)  # on the GPU
+    w = on(dev, jnp.full((n,), 1.25, jnp.bfloat16))
+    y, r = jax.jit(rmsnorm_ffi.rms_norm_fwd)(x, w)
+    dx, dw = jax.jit(rmsnorm_ffi.rms_norm_bwd)(x, w, r, x)
+    sample = np.array([0, 1, rows // 2, rows - 2, rows - 1])
+    xs = np.asarray(x[sample].astype(jnp.float32))
+    ys, rs, dxs, _ = ref_np(xs, np.asarray(w.astype(jnp.float32)), xs)
+    e = max(err(y[sample], ys), err(r[sample], rs), err(dx[sample], dxs, scale=1.0))
+    dw_ref = jax.jit(lambda x, r: jnp.sum(x.astype(jnp.float32) ** 2 * r[:, None], 0))(x, r)
+    edw = err(dw, np.asarray(dw_ref), scale=float(np.sqrt(rows)))
+    del x, y, dx
+    ok = e < 3e-2 and edw < 3e-2
+    return ok, f"{rows * n} elements: sampled rows rel.err {e:.1e}, dweight {edw:.1e}"
+
+
+@section("growth", needs=40)
+def growth():
+    import gc
+
+    dev = gpu()
+    jax.clear_caches()
+    gc.collect()
+    base = rmsnorm_ffi.stats()["live_states"]
+    mem0 = dev.memory_stats().get("bytes_in_use", 0) if dev.memory_stats() else 0
+    x = on(dev, jnp.ones((64, 1024), jnp.float32))
+    w = on(dev, jnp.ones((1024,), jnp.float32))
+    fns = []
+    for i in range(50):  # 50 call sites: distinct eps, each its own executable
+        eps = 1e-6 * (i + 1)
+        f = jax.jit(jax.grad(lambda x, w, eps=eps: rmsnorm_ffi.rms_norm(x, w, eps).sum(), (0, 1)))
+        jax.block_until_ready(f(x, w))
+        fns.append(f)
+    mid = rmsnorm_ffi.stats()
+    scratch = sum(int(v.split(", ")[1].split()[0]) for s in mid["states"]
+                  for v in s.get("details", {}).values() if "scratch" in v)
+    del fns, f
+    jax.clear_caches()
+    gc.collect()
+    end = rmsnorm_ffi.stats()
+    mem1 = dev.memory_stats().get("bytes_in_use", 0) if dev.memory_stats() else 0
+    modules = _native.gpu_info()["gpu_modules_loaded"]
+    record("growth", live_before=base, live_with_50=mid["live_states"], live_after=end["live_states"],
+           scratch_bytes_with_50=scratch, xla_bytes_before=mem0, xla_bytes_after=mem1, modules=modules)
+    ok = end["live_states"] <= base and modules <= len(jax.devices("gpu")) and mem1 <= mem0 + (1 << 20)
+    return ok, (f"live states {base} -> {mid['live_states']} -> {end['live_states']}, scratch of 50 "
+                f"backward sites {scratch} bytes, XLA bytes {mem0} -> {mem1}, modules {modules}")
+
+
+def timed(fn, args, k):
+    """Seconds per op: `fn` applied to each of k argument sets in one executable, best of 5."""
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    jax.block_until_ready(many(args))
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
-        jax.block_until_ready(loop(init))
+        jax.block_until_ready(many(args))
         best = min(best, time.perf_counter() - t)
-    return best / iters
+    return best / k
 
 
-def timings():
-    rows = []
-    Ms = (4096,) if QUICK else (4096, 16384)
-    Ns = (1024, 4096) if QUICK else (1024, 4096, 8192, 16384)
-    for dtype in (jnp.bfloat16, jnp.float32):
+TABLE: list[tuple] = []
+
+
+@section("bandwidth", needs=60)
+def bandwidth():
+    dev = gpu()
+    info = _native.gpu_info()
+    l2 = next((d.get("l2_bytes", 0) for d in info.get("devices", [])), 0) or (50 << 20)
+    try:
+        from jax.experimental.pallas.ops.gpu import rms_norm as pallas_mod  # deprecated in 0.12
+
+        pallas = pallas_mod.rms_norm
+    except Exception as e:  # noqa: BLE001
+        pallas = None
+        record("bandwidth", pallas=f"absent: {e}")
+    Ms = (4096,) if OPTS.quick else (4096, 16384)
+    Ns = (1024, 4096) if OPTS.quick else (1024, 4096, 8192, 16384)
+    for dt in (jnp.bfloat16, jnp.float32):
         for M in Ms:
             for N in Ns:
-                key = jax.random.PRNGKey(0)
-                x = jax.random.normal(key, (M, N), dtype)
-                w = jnp.ones(N, dtype)
-                c = jnp.asarray(1.0001, dtype)
-                nbytes = M * N * jnp.dtype(dtype).itemsize
-                iters = max(10, min(200, int(2e10 / max(nbytes, 1) / 100)))
-                t_copy = per_iter(lambda x: x * c, x, iters)
-                t_fwd = per_iter(lambda x: rmsnorm_ffi.rms_norm_fwd(x, w)[0], x, iters)
-                t_jfwd = per_iter(lambda x: rmsnorm_ffi._ops.rms_norm_reference(x, w), x, iters)
-                _, r = rmsnorm_ffi.rms_norm_fwd(x, w)
+                if left() < 60:  # the last minute is the sanitizer's
+                    record("bandwidth", stopped="time")
+                    return True, f"{len(TABLE)} shapes (stopped for time)"
+                nbytes = M * N * jnp.dtype(dt).itemsize
+                k = int(min(64, max(1, -(-4 * l2 // nbytes))))
+                keys = jax.random.split(jax.random.key(1), k)
+                make = jax.jit(lambda kk: jax.random.normal(kk, (M, N), dt))  # on the GPU
+                xs = [make(kk) for kk in keys]
+                w = on(dev, jnp.ones((N,), dt))
+                c = jnp.asarray(1.0001, dt)
+                rs = [rmsnorm_ffi.rms_norm_fwd(x, w)[1] for x in xs]
+                row = {"dtype": jnp.dtype(dt).name, "M": M, "N": N, "k": k}
+                row["copy"] = timed(lambda x: x * c, [(x,) for x in xs], k)
+                row["fwd"] = timed(lambda x: rmsnorm_ffi.rms_norm_fwd(x, w)[0], [(x,) for x in xs], k)
+                row["bwd"] = timed(lambda x, r: rmsnorm_ffi.rms_norm_bwd(x, w, r, x)[0],
+                                   list(zip(xs, rs)), k)
+                ref = rmsnorm_ffi.rms_norm_reference
+                row["jnp_fwd"] = timed(lambda x: ref(x, w), [(x,) for x in xs], k)
+                row["jnp_bwd"] = timed(lambda x: jax.vjp(lambda x: ref(x, w), x)[1](x)[0],
+                                       [(x,) for x in xs], k)
+                if pallas is not None:
+                    b0 = jnp.zeros((N,), dt)
+                    try:
+                        pf = lambda x: pallas(x[None], w, b0)[0]  # noqa: E731 - 3-D input, bias
+                        row["pallas_fwd"] = timed(pf, [(x,) for x in xs], k)
+                        row["pallas_bwd"] = timed(lambda x: jax.vjp(pf, x)[1](x)[0], [(x,) for x in xs], k)
+                    except Exception as e:  # noqa: BLE001
+                        row["pallas_error"] = f"{type(e).__name__}: {e}"[:200]
+                gb = lambda t, reads: reads * nbytes / t / 1e9  # noqa: E731
+                row["copy_GBs"] = gb(row["copy"], 2)
+                row["fwd_GBs"] = gb(row["fwd"], 2)
+                row["bwd_GBs"] = gb(row["bwd"], 3)
+                record("bandwidth", **row)
+                TABLE.append(row)
+                del xs, rs
+    return True, f"{len(TABLE)} shapes timed"
 
-                def bwd(dy):
-                    return rmsnorm_ffi.rms_norm_bwd(x, w, r, dy)[0]
 
-                def jbwd(dy):
-                    _, vjp = jax.vjp(lambda x, w: rmsnorm_ffi._ops.rms_norm_reference(x, w), x, w)
-                    return vjp(dy)[0]
+@section("sanitizer", needs=90)
+def sanitizer():
+    tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(tool):
+        record("sanitizer", status="absent")
+        return True, "compute-sanitizer not found: not run"
+    results = {}
+    for check in ("memcheck", "racecheck", "synccheck"):
+        if left() < 30:
+            results[check] = "skipped (time)"
+            continue
+        prefix = [tool, "--tool", check, "--error-exitcode", "99", "--kernel-name", "regex:rmsnorm"]
+        try:
+            rc, log = run_child("sanitize", timeout=min(100, left() - 10), prefix=prefix)
+            results[check] = "clean" if rc == 0 else f"rc {rc}"
+            record("sanitizer", tool=check, rc=rc, log=log[-3000:])
+        except subprocess.TimeoutExpired:
+            results[check] = "timeout"
+    ok = all(v in ("clean", "skipped (time)") for v in results.values())
+    return ok, ", ".join(f"{k}: {v}" for k, v in results.items())
 
-                t_bwd = per_iter(bwd, x, iters)
-                t_jbwd = per_iter(jbwd, x, iters)
-                copy_bw = 2 * nbytes / t_copy / 1e9
-                fwd_bw = 2 * nbytes / t_fwd / 1e9
-                bwd_bw = 3 * nbytes / t_bwd / 1e9
-                rows.append((jnp.dtype(dtype).name, M, N, copy_bw, fwd_bw, fwd_bw / copy_bw, t_jfwd / t_fwd,
-                             bwd_bw, bwd_bw / copy_bw, t_jbwd / t_bwd))
-                print(rows[-1], flush=True)
-    print()
-    print(f"{'dtype':8s} {'M':>6s} {'N':>6s} {'copy GB/s':>10s} {'fwd GB/s':>9s} {'fwd/copy':>8s} {'jnp/fwd':>8s}"
-          f" {'bwd GB/s':>9s} {'bwd/copy':>8s} {'jnp/bwd':>8s}")
-    for d, M, N, cb, fb, fr, fj, bb, br, bj in rows:
-        print(f"{d:8s} {M:6d} {N:6d} {cb:10.0f} {fb:9.0f} {fr:8.1%} {fj:8.2f} {bb:9.0f} {br:8.1%} {bj:8.2f}")
-    print("(targets: bf16 N>=4096 fwd/copy >= 90%, bwd/copy >= 85%, jnp/fwd and jnp/bwd > 1)")
+
+def table() -> str:
+    lines = [f"{'section':12s} {'status':8s} detail", "-" * 100]
+    lines += [f"{s:12s} {st:8s} {d}" for s, st, d in SUMMARY]
+    if TABLE:
+        lines += ["", f"{'dtype':9s} {'M':>6s} {'N':>6s} {'copy GB/s':>9s} {'fwd GB/s':>8s} {'/copy':>6s} "
+                  f"{'jnp/fwd':>7s} {'pal/fwd':>7s} {'bwd GB/s':>8s} {'/copy':>6s} {'jnp/bwd':>7s} {'pal/bwd':>7s}"]
+        for r in TABLE:
+            pf = f"{r['pallas_fwd'] / r['fwd']:7.2f}" if "pallas_fwd" in r else "      -"
+            pb = f"{r['pallas_bwd'] / r['bwd']:7.2f}" if "pallas_bwd" in r else "      -"
+            lines.append(
+                f"{r['dtype']:9s} {r['M']:6d} {r['N']:6d} {r['copy_GBs']:9.0f} {r['fwd_GBs']:8.0f} "
+                f"{r['fwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_fwd'] / r['fwd']:7.2f} {pf} "
+                f"{r['bwd_GBs']:8.0f} {r['bwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_bwd'] / r['bwd']:7.2f} {pb}")
+        lines.append("(ratios jnp/ours and pallas/ours > 1: ours faster; bwd counts x, dy, dx)")
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    good = correctness()
-    print("CORRECTNESS:", "PASS" if good else "FAIL", flush=True)
-    timings()
-    sys.exit(0 if good else 1)
+text = table()
+(OUT / "table.txt").write_text(text + "\n")
+print()
+print(text)
+print(f"\ntotal {time.monotonic() - START:.0f} s; results in {LOG}")
+sys.exit(1 if FAILED else 0)

@@ -152,6 +152,7 @@ fn contract(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let out = PyDict::new(py);
     out.set_item("forward_target", op_contract::FORWARD_TARGET)?;
     out.set_item("backward_target", op_contract::BACKWARD_TARGET)?;
+    out.set_item("residual_target", op_contract::RESIDUAL_TARGET)?;
     out.set_item("max_row_len", op_contract::MAX_ROW_LEN)?;
     let pairs = PyList::empty(py);
     for pair in DtypePair::ALL {
@@ -187,9 +188,62 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         d.set_item("target", state.target)?;
         d.set_item("type", state.type_name)?;
         d.set_item("executions", state.executions)?;
+        let details = PyDict::new(py);
+        for (k, v) in &state.details {
+            details.set_item(k, v)?;
+        }
+        d.set_item("details", details)?;
         states.append(d)?;
     }
     out.set_item("states", states)?;
+    out.set_item(
+        "gpu_modules_loaded",
+        crate::handlers::gpu::resources::modules_loaded(),
+    )?;
+    Ok(out)
+}
+
+/// What the CUDA path found, for diagnostics (bench/gpu_check.py): where libcuda and NVRTC were
+/// loaded from, NVRTC's version, and per device its compute capability, SMs and L2 bytes; a
+/// library that could not be loaded gives its error message instead.
+#[pyfunction]
+fn gpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    use crate::handlers::gpu::driver;
+    let out = PyDict::new(py);
+    match driver::nvrtc() {
+        Ok(nvrtc) => {
+            out.set_item("nvrtc", nvrtc.path())?;
+            out.set_item("nvrtc_version", nvrtc.version())?;
+        }
+        Err(e) => out.set_item("nvrtc_error", e.to_string())?,
+    }
+    out.set_item("nvrtc_lineinfo", driver::nvrtc::lineinfo_requested())?;
+    match driver::cuda() {
+        Ok(cuda) => {
+            out.set_item("libcuda", cuda.path())?;
+            let devices = PyList::empty(py);
+            for ordinal in 0..cuda.device_count().unwrap_or(0) {
+                let d = PyDict::new(py);
+                d.set_item("ordinal", ordinal)?;
+                if let Ok(cc) = cuda.capability(ordinal) {
+                    d.set_item("compute_capability", cc)?;
+                }
+                if let Ok(sms) = cuda.sm_count(ordinal) {
+                    d.set_item("sm_count", sms)?;
+                }
+                if let Ok(l2) = cuda.l2_bytes(ordinal) {
+                    d.set_item("l2_bytes", l2)?;
+                }
+                devices.append(d)?;
+            }
+            out.set_item("devices", devices)?;
+        }
+        Err(e) => out.set_item("libcuda_error", e.to_string())?,
+    }
+    out.set_item(
+        "gpu_modules_loaded",
+        crate::handlers::gpu::resources::modules_loaded(),
+    )?;
     Ok(out)
 }
 
@@ -207,6 +261,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "LIBRARY_ABI_VERSION",
         crate::ffi::export::LIBRARY_ABI_VERSION,
     )?;
+    m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add(
         "XLA_FFI_API_VERSION",
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),

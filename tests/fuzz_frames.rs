@@ -224,7 +224,8 @@ fn honest_attrs(target: &str) -> BoxedStrategy<Vec<(String, OwnedAttr)>> {
         .prop_map(OwnedAttr::scalar);
     let flag = any::<bool>().prop_map(OwnedAttr::pred);
     match target {
-        "rmsnorm_fwd" => (eps, flag, row_len)
+        // The fused residual forward takes the forward's attributes.
+        "rmsnorm_fwd" | "rmsnorm_residual_fwd" => (eps, flag, row_len)
             .prop_map(|(e, w, n)| {
                 vec![
                     ("eps".into(), e),

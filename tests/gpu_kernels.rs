@@ -9,8 +9,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use rmsnorm_ffi::handlers::gpu::driver::{Nvrtc, Search};
-use rmsnorm_ffi::handlers::gpu::kernels::{NAMES, SOURCE};
+use rmsnorm_ffi::handlers::gpu::driver::{Nvrtc, Search, LINEINFO_ENV};
+use rmsnorm_ffi::handlers::gpu::kernels::{KERNELS, NAMES, SOURCE};
 
 /// Spill bytes (stores) tolerated per kernel: the float32 backward keeps 32 cached values of
 /// x, 32 of dy and 32 accumulators per thread under a 128-register cap, and spills a little
@@ -131,4 +131,66 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "spills over budget: {failures:#?}");
+}
+
+/// The `.param` types of PTX entry `name`, in order.
+fn ptx_params(ptx: &str, name: &str) -> Vec<String> {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("{name} missing from the PTX"));
+    let body = &ptx[start..];
+    let end = body.find(')').unwrap();
+    body[..end]
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            l.strip_prefix(".param ")
+                .map(|rest| rest.split_whitespace().next().unwrap_or("").to_string())
+        })
+        .collect()
+}
+
+fn pip_nvrtc() -> Option<Nvrtc> {
+    let site = std::env::var_os("RMSNORM_FFI_SITE_PACKAGES")?;
+    let search = Search {
+        site_packages: std::env::split_paths(&site).collect(),
+        ..Search::default()
+    };
+    Some(Nvrtc::load(&search).unwrap_or_else(|e| panic!("{e}")))
+}
+
+#[test]
+fn the_kernel_parameter_table_matches_the_compiled_entry_points() {
+    let Some(nvrtc) = pip_nvrtc() else {
+        eprintln!("SKIPPED: RMSNORM_FFI_SITE_PACKAGES is not set (make rust-test sets it)");
+        return;
+    };
+    let compiled = nvrtc
+        .compile(SOURCE, "rmsnorm.cu", "compute_90")
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (name, signature) in KERNELS.iter() {
+        let want: Vec<&str> = signature.params.iter().map(|(_, p)| p.ptx_type()).collect();
+        assert_eq!(
+            ptx_params(&compiled.ptx, name),
+            want,
+            "{name}: the table in kernels.rs ({}) disagrees with rmsnorm.cu",
+            signature.family
+        );
+    }
+}
+
+#[test]
+fn the_lineinfo_knob_puts_source_lines_in_the_ptx() {
+    let Some(nvrtc) = pip_nvrtc() else {
+        eprintln!("SKIPPED: RMSNORM_FFI_SITE_PACKAGES is not set (make rust-test sets it)");
+        return;
+    };
+    // This test binary compiles directly (not through the once-per-process cache), so setting
+    // the variable here affects only the compile below.
+    std::env::set_var(LINEINFO_ENV, "1");
+    let with = nvrtc.compile(SOURCE, "rmsnorm.cu", "compute_90").unwrap();
+    std::env::remove_var(LINEINFO_ENV);
+    let without = nvrtc.compile(SOURCE, "rmsnorm.cu", "compute_90").unwrap();
+    assert!(with.ptx.contains(".loc"), "-lineinfo gives .loc directives");
+    assert!(!without.ptx.contains(".loc"), "no .loc without the knob");
 }

@@ -6,7 +6,7 @@ built on this crate, and :func:`stats` reports the live-state registry (theirs i
 """
 
 from rmsnorm_ffi._export import deserialize, export, export_checks
-from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
+from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference, rms_norm_residual
 from rmsnorm_ffi._registration import register, register_library, registered_libraries, registered_platforms
 from rmsnorm_ffi._stats import stats
 
@@ -22,6 +22,7 @@ __all__ = [
     "rms_norm_bwd",
     "rms_norm_fwd",
     "rms_norm_reference",
+    "rms_norm_residual",
     "stats",
 ]
 __version__ = "0.1.0"

@@ -13,10 +13,10 @@ serialize; lowering it for export raises a ValueError saying so.
 
 from __future__ import annotations
 
-from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET
+from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET
 from rmsnorm_ffi._registration import register
 
-TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)
+TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, RESIDUAL_TARGET)
 
 
 def export_checks() -> list:

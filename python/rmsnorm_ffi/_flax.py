@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import dtypes as flax_dtypes
 
-from rmsnorm_ffi._ops import rms_norm
+from rmsnorm_ffi._ops import rms_norm, rms_norm_residual
 
 _F32 = jnp.dtype(jnp.float32)
 _F64 = jnp.dtype(jnp.float64)
@@ -84,9 +84,19 @@ def _check_options(module, x, mask):
         raise ValueError("rmsnorm_ffi.RMSNorm: mask is not supported (use flax's RMSNorm)")
 
 
-def _normalize(x, scale, dtype, epsilon):
+def _normalize(x, scale, dtype, epsilon, residual=None):
     """flax's RMS normalization of `x` (an array) by `scale` (an array or None) with flax's dtype
-    rules (see the module docstring), computed by `rms_norm`."""
+    rules (see the module docstring), computed by `rms_norm`. With a `residual` (x's shape and
+    dtype), the normalization of ``h = x + residual`` instead, and ``(y, h)`` is returned: the
+    fused `rms_norm_residual` when the op runs in x's dtype, else the add then the norm."""
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"rmsnorm_ffi.RMSNorm: residual must have x's shape {tuple(x.shape)} and dtype "
+                f"{x.dtype} (h = x + residual is rounded to x's dtype), got "
+                f"{tuple(residual.shape)} {residual.dtype}"
+            )
     # The result dtype, and flax's error for a non-float `dtype`.
     out_dtype = jnp.dtype(flax_dtypes.canonicalize_dtype(x, scale, dtype=dtype))
     stats_dtype = jnp.promote_types(x.dtype if dtype is None else dtype, _F32)
@@ -108,7 +118,13 @@ def _normalize(x, scale, dtype, epsilon):
         # The op takes a weight of x's dtype or float32; either holds the scale exactly
         # (a float64 scale makes the op's dtype float64).
         weight = scale if scale.dtype == op_dtype else scale.astype(_F64 if op_dtype == _F64 else _F32)
-    return rms_norm(x.astype(op_dtype), weight, epsilon).astype(out_dtype)
+    if residual is None:
+        return rms_norm(x.astype(op_dtype), weight, epsilon).astype(out_dtype)
+    if op_dtype == x.dtype:
+        y, h = rms_norm_residual(x, residual, weight, epsilon)
+        return y.astype(out_dtype), h
+    h = x + residual
+    return rms_norm(h.astype(op_dtype), weight, epsilon).astype(out_dtype), h
 
 
 class RMSNorm(nn.RMSNorm):
@@ -124,7 +140,9 @@ class RMSNorm(nn.RMSNorm):
     """
 
     @nn.compact
-    def __call__(self, x, *, mask=None):
+    def __call__(self, x, residual=None, *, mask=None):
+        """The norm of `x`; with `residual` (x's shape and dtype), ``(norm(h), h)`` for
+        ``h = x + residual``, the add fused with the norm where the dtypes allow."""
         x = jnp.asarray(x)
         _check_options(self, x, mask)
         if not self.force_float32_reductions:
@@ -136,7 +154,7 @@ class RMSNorm(nn.RMSNorm):
         if self.use_scale:
             scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
             scale = jnp.asarray(scale)
-        return _normalize(x, scale, self.dtype, self.epsilon)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual)
 
 
 class NnxRMSNorm(nnx.RMSNorm):
@@ -150,10 +168,16 @@ class NnxRMSNorm(nnx.RMSNorm):
     supported options as for the Linen module.
     """
 
-    def __call__(self, x, mask=None):
+    def __call__(self, x, mask=None, *, residual=None):
+        """The norm of `x`; with `residual`, ``(norm(h), h)`` for ``h = x + residual``, the
+        residual cast to the dtype `promote_dtype` gave x when that cast is exact."""
         scale = self.scale[...] if self.scale else None
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
         x = jnp.asarray(x)
+        if residual is not None:
+            residual = jnp.asarray(residual)
+            if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
+                residual = residual.astype(x.dtype)
         scale = None if scale is None else jnp.asarray(scale)
         _check_options(self, x, mask)
-        return _normalize(x, scale, self.dtype, self.epsilon)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmsnorm_ffi import _math, _native, _primitives
-from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET
-from rmsnorm_ffi._registration import register
+from rmsnorm_ffi._partitioning import BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET
+from rmsnorm_ffi._registration import register, registered_targets
 
 # The checks read the op contract the Rust handlers enforce (src/handlers/contract.rs), so the
 # two cannot disagree: the (x, weight) dtype pairs, each with its accumulation dtype, and the
@@ -85,7 +85,7 @@ def _check_eps(op: str, eps) -> float:
     return eps
 
 
-def _check_platform(op: str) -> None:
+def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
     platforms = register()
     backend = jax.default_backend()
     # JAX calls a CUDA backend "gpu"; its bundles are registered for platform "cuda".
@@ -95,6 +95,12 @@ def _check_platform(op: str) -> None:
         raise NotImplementedError(
             f"{op}: no rmsnorm_ffi implementation for platform '{backend}' in this build "
             f"(available: {', '.join(platforms) or 'none'})"
+        )
+    if target not in registered_targets(backend):
+        have = [p for p in platforms if target in registered_targets(p)]
+        raise NotImplementedError(
+            f"{op}: the {target} target has no implementation for platform '{backend}' in this "
+            f"build (it has one for: {', '.join(have) or 'none'})"
         )
 
 
@@ -123,8 +129,31 @@ def rms_norm_bwd(x, weight, rstd, dy):
         )
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
-    _check_platform(op)
+    _check_platform(op, BACKWARD_TARGET)
     return _primitives.backward(x, weight, rstd, dy)
+
+
+def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5):
+    """The residual add of a pre-norm transformer block fused with the norm: returns
+    ``(y, h)`` with ``h = x + residual`` (rounded to x's dtype, as jnp's ``x + residual``) and
+    ``y = rms_norm(h, weight, eps)``, in one pass that reads x and the residual and writes h
+    and y. ``residual`` has x's shape and dtype. Differentiable in x, the residual and the
+    weight (the gradients of y and h both flow into x and the residual), under the same
+    transformations as :func:`rms_norm`.
+    """
+    op = "rms_norm_residual"
+    x = _check_x(op, x)
+    residual = _check_array(op, "residual", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+    weight = _check_weight(op, x, weight)
+    eps = _check_eps(op, eps)
+    _check_platform(op, RESIDUAL_TARGET)
+    y, h, _ = _primitives.residual_forward(x, residual, weight, eps)
+    return y, h
 
 
 def rms_norm(x, weight=None, eps: float = 1e-5):

@@ -34,6 +34,7 @@ from rmsnorm_ffi._math import acc_dtype
 
 FORWARD_TARGET = "rmsnorm_fwd"
 BACKWARD_TARGET = "rmsnorm_bwd"
+RESIDUAL_TARGET = "rmsnorm_residual_fwd"
 
 
 def _struct(like, shape, dtype, typed: bool):
@@ -49,14 +50,19 @@ def _struct(like, shape, dtype, typed: bool):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _forward_call(x, weight, eps: float, typed: bool = True):
-    call = jax.ffi.ffi_call(
-        FORWARD_TARGET,
-        (_struct(x, x.shape, x.dtype, typed), _struct(x, x.shape[:-1], acc_dtype(x.dtype), typed)),
-    )
-    args = (x,) if weight is None else (x, weight)
-    y, rstd = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
-    return y, rstd
+def _forward_call(x, weight, eps: float, typed: bool = True, residual=None):
+    """``(y, rstd)``; with a residual, the fused ``(y, h, rstd)`` of ``h = x + residual``."""
+    x_like = _struct(x, x.shape, x.dtype, typed)
+    rows = _struct(x, x.shape[:-1], acc_dtype(x.dtype), typed)
+    if residual is None:
+        call = jax.ffi.ffi_call(FORWARD_TARGET, (x_like, rows))
+        args = (x,)
+    else:
+        call = jax.ffi.ffi_call(RESIDUAL_TARGET, (x_like, x_like, rows))
+        args = (x, residual)
+    args += () if weight is None else (weight,)
+    out = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    return tuple(out)
 
 
 def _backward_call(x, weight, rstd, dy, typed: bool = True):
@@ -113,12 +119,14 @@ def _scattered_axes(weight_shape, summed: tuple) -> tuple:
     return axes if axes and set(axes) <= set(summed) else ()
 
 
-def _forward_shardings(mesh, arg_shapes):
+def _forward_shardings(mesh, arg_shapes, residual: bool = False):
+    """Operands x, [residual], [weight]; results y, [h], rstd."""
     rows = _row_spec(arg_shapes[0])
-    args = [_named(mesh, *rows, None)]
-    if len(arg_shapes) == 2:
-        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[1])], None))
-    return tuple(args), (_named(mesh, *rows, None), _named(mesh, *rows))
+    x_like = 1 + residual
+    args = [_named(mesh, *rows, None)] * x_like
+    if len(arg_shapes) > x_like:
+        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[x_like])], None))
+    return tuple(args), (_named(mesh, *rows, None),) * x_like + (_named(mesh, *rows),)
 
 
 def _backward_shardings(mesh, arg_shapes):
@@ -137,7 +145,7 @@ def _backward_shardings(mesh, arg_shapes):
     return tuple(args), tuple(results)
 
 
-def _shardy_rule(value_types, n_weight_batch: int | None, backward: bool):
+def _shardy_rule(value_types, n_weight_batch: int | None, kind: str):
     """One factor per row dimension (r0, r1, ...), ``n`` (replicated) for x's last axis and a
     factor of its own, ``m``, for the weight's: a sharded weight (FSDP, or along a model axis)
     then does not propagate its sharding into x, y or dy through this op."""
@@ -145,12 +153,13 @@ def _shardy_rule(value_types, n_weight_batch: int | None, backward: bool):
     rows = tuple(f"r{i}" for i in range(rank - 1))
     x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
     w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "m")
-    if backward:
+    if kind == "backward":
         operands = (x, r, x) if w is None else (x, w, r, x)
         results = (x,) if w is None else (x, w)
     else:
-        operands = (x,) if w is None else (x, w)
-        results = (x, r)
+        x_like = (x, x) if kind == "residual" else (x,)
+        operands = x_like if w is None else (*x_like, w)
+        results = (*x_like, r)
     if w is None:
         return SdyShardingRule(operands, results, need_replication_factors=("n",))
     return SdyShardingRule(operands, results, need_replication_factors=("n", "m"))
@@ -194,9 +203,15 @@ def _masked(mask, x, rstd, dy):
 # The four partitioned calls
 
 
-def _forward_partition(eps, mesh, arg_shapes, result_shape):
-    args, results = _forward_shardings(mesh, arg_shapes)
-    return mesh, (lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)), results, args
+def _per_shard_forward(eps, residual: bool):
+    if residual:
+        return lambda x, res, *w: _forward_call(x, w[0] if w else None, eps, typed=False, residual=res)
+    return lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)
+
+
+def _forward_partition(eps, residual, mesh, arg_shapes, result_shape):
+    args, results = _forward_shardings(mesh, arg_shapes, residual)
+    return mesh, _per_shard_forward(eps, residual), results, args
 
 
 def _per_shard_backward(mesh, arg_shapes):
@@ -264,11 +279,10 @@ def _shard_mapped(per_shard, operands, shardings):
     )(*operands)
 
 
-def explicit_forward(operands, eps, out_avals):
+def explicit_forward(operands, eps, out_avals, residual: bool = False):
     shapes = [jax.typeof(o) for o in operands]
-    shardings = _forward_shardings(shapes[0].sharding.mesh, shapes)
-    per_shard = lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)
-    return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
+    shardings = _forward_shardings(shapes[0].sharding.mesh, shapes, residual)
+    return _typed_like(_shard_mapped(_per_shard_forward(eps, residual), operands, shardings), out_avals)
 
 
 def explicit_backward(operands, out_avals):
@@ -288,29 +302,43 @@ def _typed_like(values, avals):
     return tuple(out)
 
 
-def _make_forward(has_weight: bool):
-    if has_weight:
+def _make_forward(has_weight: bool, residual: bool):
+    # custom_partitioning takes positional operands and static arguments: one function per
+    # operand list.
+    if residual and has_weight:
 
-        def forward(x, weight, eps):
+        def forward(x, res, weight, eps, residual):
+            return _forward_call(x, weight, eps, residual=res)
+
+    elif residual:
+
+        def forward(x, res, eps, residual):
+            return _forward_call(x, None, eps, residual=res)
+
+    elif has_weight:
+
+        def forward(x, weight, eps, residual):
             return _forward_call(x, weight, eps)
 
     else:
 
-        def forward(x, eps):
+        def forward(x, eps, residual):
             return _forward_call(x, None, eps)
 
-    eps_index = 2 if has_weight else 1
-    fn = custom_partitioning(forward, static_argnums=(eps_index,))
+    operands = 1 + residual + has_weight
+    weight_index = 1 + residual
+    kind = "residual" if residual else "forward"
+    fn = custom_partitioning(forward, static_argnums=(operands, operands + 1))
     fn.def_partition(
         partition=_forward_partition,
-        infer_sharding_from_operands=lambda eps, mesh, arg_shapes, result_shape: _forward_shardings(
-            mesh, arg_shapes
+        infer_sharding_from_operands=lambda eps, residual, mesh, arg_shapes, result_shape: _forward_shardings(
+            mesh, arg_shapes, residual
         )[1],
-        sharding_rule=lambda eps, mesh, value_types, result_types: _shardy_rule(
-            value_types, len(value_types[1].shape) - 1 if has_weight else None, backward=False
+        sharding_rule=lambda eps, residual, mesh, value_types, result_types: _shardy_rule(
+            value_types, len(value_types[weight_index].shape) - 1 if has_weight else None, kind
         ),
     )
-    return fn
+    return lambda *args, eps: fn(*args, eps, residual)
 
 
 def _make_backward(has_weight: bool):
@@ -331,16 +359,17 @@ def _make_backward(has_weight: bool):
             mesh, arg_shapes
         )[1],
         sharding_rule=lambda mesh, value_types, result_types: _shardy_rule(
-            value_types, len(value_types[1].shape) - 1 if has_weight else None, backward=True
+            value_types, len(value_types[1].shape) - 1 if has_weight else None, "backward"
         ),
     )
     return fn
 
 
 @functools.cache
-def partitioned_forward(has_weight: bool):
-    """``f(x, [weight], eps) -> (y, rstd)``, partitioned as the module docstring says."""
-    return _make_forward(has_weight)
+def partitioned_forward(has_weight: bool, residual: bool = False):
+    """``f(x, [residual], [weight], eps=...) -> (y, [h], rstd)``, partitioned as the module
+    docstring says."""
+    return _make_forward(has_weight, residual)
 
 
 @functools.cache

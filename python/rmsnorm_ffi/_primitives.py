@@ -3,6 +3,10 @@
 - ``rmsnorm_fwd``: ``(x, [weight]) -> (y, rstd)``, lowered to the Rust forward.
 - ``rmsnorm_bwd``: ``(x, [weight], rstd, dy) -> (dx, [dweight])``, lowered to the fused Rust
   backward.
+- ``rmsnorm_residual_fwd``: ``(x, residual, [weight]) -> (y, h, rstd)`` with ``h = x + residual``
+  rounded to x's dtype and ``(y, rstd)`` the forward of ``h``: one fused Rust pass. Its JVP is
+  ``th = tx + tresidual`` and the forward's tangent at ``h``, so its reverse mode is the same
+  fused backward (at ``h``), the gradients of y and h both flowing into x and the residual.
 - ``rmsnorm_tangent``: ``(x, [weight], rstd, tx, [tw]) -> (ty, trstd)``, the forward's tangent,
   linear in ``(tx, tw)``. Evaluated forwards it is jnp math; its **transpose is the fused Rust
   backward**, so `grad` (JAX's linearize-then-transpose) runs one ``rmsnorm_bwd`` per norm.
@@ -38,7 +42,8 @@ from rmsnorm_ffi import _math, _partitioning
 forward_p = Primitive("rmsnorm_fwd")
 backward_p = Primitive("rmsnorm_bwd")
 tangent_p = Primitive("rmsnorm_tangent")
-for _p in (forward_p, backward_p, tangent_p):
+residual_p = Primitive("rmsnorm_residual_fwd")
+for _p in (forward_p, backward_p, tangent_p, residual_p):
     _p.multiple_results = True
 
 
@@ -68,6 +73,12 @@ def forward(x, weight, eps: float):
     """``(y, rstd)``."""
     args = (x,) if weight is None else (x, weight)
     return tuple(forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
+
+
+def residual_forward(x, residual, weight, eps: float):
+    """``(y, h, rstd)``."""
+    args = (x, residual) if weight is None else (x, residual, weight)
+    return tuple(residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
 
 
 def backward(x, weight, rstd, dy):
@@ -106,6 +117,11 @@ def _forward_abstract(*avals, eps, has_weight):
     return [x.update(weak_type=False), rstd]
 
 
+def _residual_abstract(*avals, eps, has_weight):
+    y, rstd = _forward_abstract(avals[0], *avals[2:], eps=eps, has_weight=has_weight)
+    return [y, y, rstd]
+
+
 def _backward_abstract(*avals, has_weight):
     x, w, _, _ = _split(avals, has_weight, "xwrd")
     out = [x.update(weak_type=False)]
@@ -123,6 +139,7 @@ def _tangent_abstract(*avals, has_weight):
 forward_p.def_abstract_eval(_forward_abstract)
 backward_p.def_abstract_eval(_backward_abstract)
 tangent_p.def_abstract_eval(_tangent_abstract)
+residual_p.def_abstract_eval(_residual_abstract)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +156,14 @@ def _apply(prim):
 def _forward_lowered(*args, eps, has_weight):
     if _partitioning.is_explicit(jax.typeof(args[0])):
         return _partitioning.explicit_forward(args, eps, _forward_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight))
-    return _partitioning.partitioned_forward(has_weight)(*args, eps)
+    return _partitioning.partitioned_forward(has_weight)(*args, eps=eps)
+
+
+def _residual_lowered(*args, eps, has_weight):
+    if _partitioning.is_explicit(jax.typeof(args[0])):
+        avals = _residual_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight)
+        return _partitioning.explicit_forward(args, eps, avals, residual=True)
+    return _partitioning.partitioned_forward(has_weight, residual=True)(*args, eps=eps)
 
 
 def _backward_lowered(*args, has_weight):
@@ -188,18 +212,19 @@ def _check_exportable(ctx) -> None:
         )
 
 
-for _p in (forward_p, backward_p, tangent_p):
+for _p in (forward_p, backward_p, tangent_p, residual_p):
     _p.def_impl(_apply(_p))
 mlir.register_lowering(forward_p, _checked(mlir.lower_fun(_forward_lowered, multiple_results=True)))
 mlir.register_lowering(backward_p, _checked(mlir.lower_fun(_backward_lowered, multiple_results=True)))
 mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_math, multiple_results=True))
+mlir.register_lowering(residual_p, _checked(mlir.lower_fun(_residual_lowered, multiple_results=True)))
 
 try:
     # Lowering a custom_partitioning call needs the devices (jax's cuDNN attention and
     # TransformerEngine register their primitives the same way).
     from jax._src import dispatch as _dispatch
 
-    _dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p})
+    _dispatch.prim_requires_devices_during_lowering.update({forward_p, backward_p, residual_p})
 except (ImportError, AttributeError):  # pragma: no cover - older/newer private layout
     pass
 
@@ -257,6 +282,11 @@ def _forward_batch(args, dims, *, eps, has_weight):
     return forward_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0]
 
 
+def _residual_batch(args, dims, *, eps, has_weight):
+    folded, _ = _fold(args, dims, "xxw" if has_weight else "xx", weight_batched_out=False)
+    return residual_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0, 0]
+
+
 def _backward_batch(args, dims, *, has_weight):
     # Per-example weight gradients: the weight is batched whenever anything is.
     roles = "xwxx" if has_weight else "xxx"
@@ -274,6 +304,7 @@ def _tangent_batch(args, dims, *, has_weight):
 batching.primitive_batchers[forward_p] = _forward_batch
 batching.primitive_batchers[backward_p] = _backward_batch
 batching.primitive_batchers[tangent_p] = _tangent_batch
+batching.primitive_batchers[residual_p] = _residual_batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +322,20 @@ def _forward_jvp(primals, tangents, *, eps, has_weight):
     tw = _instantiate(tangents[1], w) if has_weight else None
     ty, trstd = _tangent(x, w, rstd, tx, tw)
     return (y, rstd), (ty, trstd)
+
+
+def _residual_jvp(primals, tangents, *, eps, has_weight):
+    x, res, w = primals if has_weight else (*primals, None)
+    y, h, rstd = residual_forward(x, res, w, eps)
+    tx, tres = tangents[0], tangents[1]
+    if type(tx) is ad.Zero and type(tres) is ad.Zero:
+        th = jnp.zeros(h.shape, h.dtype)
+    else:
+        th = _instantiate(tx, x) if type(tres) is ad.Zero else (
+            _instantiate(tres, res) if type(tx) is ad.Zero else tx + tres)
+    tw = _instantiate(tangents[2], w) if has_weight else None
+    ty, trstd = _tangent(h, w, rstd, th, tw)
+    return (y, h, rstd), (ty, th, trstd)
 
 
 def _tangent_transpose(cts, *args, has_weight):
@@ -334,6 +379,7 @@ def _backward_math(*args, has_weight):
 
 
 ad.primitive_jvps[forward_p] = _forward_jvp
+ad.primitive_jvps[residual_p] = _residual_jvp
 ad.primitive_jvps[backward_p] = _math_jvp(backward_p, _backward_math)
 ad.primitive_jvps[tangent_p] = _math_jvp(tangent_p, _tangent_math)
 ad.primitive_transposes[tangent_p] = _tangent_transpose

@@ -33,6 +33,8 @@ _registered: tuple[str, ...] | None = None
 _libraries: dict[str, tuple[str, ...]] = {}
 # ("type", name) or ("target", platform, name) -> who registered it (_PRODUCT or a path)
 _owners: dict[tuple[str, ...], str] = {}
+# platform -> the extension's own targets registered there (not the libraries')
+_targets: dict[str, frozenset[str]] = {}
 
 
 def _platform_available(platform: str) -> bool:
@@ -114,7 +116,10 @@ def register() -> tuple[str, ...]:
             return _registered
         _reserve_product()
         platforms = _available_platforms()
-        _register(_native.product(), _PRODUCT, platforms)
+        product = _native.product()
+        _register(product, _PRODUCT, platforms)
+        for platform in platforms:
+            _targets[platform] = frozenset(b["target"] for b in product["bundles"] if b["platform"] == platform)
         _registered = tuple(platforms)
         return _registered
 
@@ -158,6 +163,11 @@ def register_library(path: str | os.PathLike) -> tuple[str, ...]:
         names = _register(description, key, [p for p in named if _platform_available(p)])
         _libraries[key] = names
         return names
+
+
+def registered_targets(platform: str) -> frozenset[str]:
+    """The FFI targets registered for `platform` (empty before :func:`register`)."""
+    return _targets.get(platform, frozenset())
 
 
 def registered_platforms() -> tuple[str, ...]:

@@ -12,6 +12,9 @@ def stats() -> dict[str, Any]:
 
     Keys: ``live_states``, ``created_states``, ``destroyed_states`` (ints); ``executions``
     ({target: int}); ``workspace_bytes`` (held now) and ``workspace_allocations`` (total so far);
-    ``states`` (a list of {"id", "target", "type", "executions"} for each live state).
+    ``states`` (a list of {"id", "target", "type", "executions", "details"} for each live
+    state; a GPU state's details say, per CUDA device, in which stage its resources were loaded
+    and how many scratch bytes it holds); ``gpu_modules_loaded`` (CUDA modules loaded in this
+    process: one per device, shared by every state).
     """
     return _native.stats()

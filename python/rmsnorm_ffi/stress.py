@@ -9,7 +9,11 @@ caches and checks that every state created during the run was destroyed.
 Exit status 0 only when no result mismatched, no call raised, and no state leaked.
 
 With ``--devices D`` (CPU only) the host is split into D XLA devices and every executable runs
-its custom calls under ``shard_map``: one state then serves D devices at once.
+its custom calls under ``shard_map``: one state then serves D devices at once. With ``--mesh
+explicit`` the executables instead take arrays placed with ``NamedSharding`` on an explicit mesh
+(``jax.make_mesh``, rows sharded over its axis, the weight replicated) and are compiled under
+``jax.set_mesh``, so the primitives' own sharding rules partition the calls; the summary counts
+the all-gathers in the compiled programs (rows run per shard: there should be none).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Case:
 def random_case(rng: random.Random, args: argparse.Namespace) -> Case:
     """A case drawn from the shapes, dtypes and kinds the options allow."""
     rows, cols = rng.choice(args.shapes)
-    rows = max(args.devices, rows - rows % args.devices)  # shard_map: rows divisible by devices
+    rows = max(args.devices, rows - rows % args.devices)  # rows divisible by devices (shard_map)
     kind = rng.choice(args.kinds)
     return Case(
         rows=rows,
@@ -76,10 +80,27 @@ def random_case(rng: random.Random, args: argparse.Namespace) -> Case:
     )
 
 
+def is_explicit(mesh) -> bool:
+    """Whether `mesh` (None, or the run's mesh) is an explicit one (`--mesh explicit`)."""
+    import jax
+
+    return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def count_all_gathers(hlo: str) -> int:
+    import re
+
+    return len(re.findall(r"\ball-gather(-start)?\(", hlo))
+
+
 class Executable:
-    """A compiled executable for one case, its inputs, and the reference results."""
+    """A compiled executable for one case, its inputs, and the reference results. With a mesh:
+    under `shard_map` on it, or (an explicit mesh) jitted under `jax.set_mesh` on arrays that
+    carry their shardings."""
 
     def __init__(self, case: Case, mesh):
+        import contextlib
+
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -94,12 +115,13 @@ class Executable:
         w = jnp.asarray(1.0 + 0.5 * rng.standard_normal(case.cols, np.float32), dtype)
         g = jnp.asarray(rng.standard_normal((case.rows, case.cols), np.float32))
         eps = case.eps
+        explicit = is_explicit(mesh)
 
         def make(norm: Callable, mesh) -> Callable:
             def fwd(x, w):
                 return norm(x, w if case.weighted else None, eps)
 
-            if mesh is not None:
+            if mesh is not None and not explicit:
                 from jax.sharding import PartitionSpec as P
 
                 # Rows split over the devices, the weight whole on each: one call per device.
@@ -120,7 +142,9 @@ class Executable:
             w = jax.device_put(w, NamedSharding(mesh, P()))
             g = jax.device_put(g, NamedSharding(mesh, P("d")))
         self.args = (x, w)
-        self.compiled = jax.jit(make(rmsnorm_ffi.rms_norm, mesh)).lower(x, w).compile()
+        # Explicit: the shardings are in the arrays' types, the mesh in the context.
+        with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+            self.compiled = jax.jit(make(rmsnorm_ffi.rms_norm, mesh)).lower(x, w).compile()
         self.want = numpy_reference(case, np.asarray(x), np.asarray(w), np.asarray(g))
         self.tolerance = TOLERANCES[case.dtype]
 
@@ -288,8 +312,8 @@ class Run:
         args = self.args
         rmsnorm_ffi.register()
         mesh = None
-        if args.devices > 1:
-            from jax.sharding import Mesh
+        if args.devices > 1 or args.mesh == "explicit":
+            from jax.sharding import AxisType, Mesh
 
             devices = jax.devices()
             if len(devices) < args.devices:
@@ -297,12 +321,17 @@ class Run:
                     f"--devices {args.devices}: JAX has {len(devices)} devices; the count is set when "
                     "JAX's backend starts, so run the harness in a fresh process"
                 )
-            mesh = Mesh(np.array(devices[: args.devices]), ("d",))
+            if args.mesh == "explicit":
+                mesh = jax.make_mesh((args.devices,), ("d",), axis_types=(AxisType.Explicit,),
+                                     devices=devices[: args.devices])
+            else:
+                mesh = Mesh(np.array(devices[: args.devices]), ("d",))
 
         before = rmsnorm_ffi.stats()
         live_before = {s["id"] for s in before["states"]}
         cases = [random_case(self.rng, args) for _ in range(args.executables)]
         executables = [Executable(case, mesh) for case in cases]
+        all_gathers = sum(count_all_gathers(e.compiled.as_text()) for e in executables) if mesh is not None else 0
         for executable in executables:  # warm-up: the pools grow to what one call needs
             self.check(executable, self.churn_counters)
         del executable  # the loop variable would keep the last executable (and its states) alive
@@ -358,6 +387,8 @@ class Run:
             "threads": args.threads,
             "executables": args.executables,
             "devices": args.devices,
+            "mesh": args.mesh if mesh is not None else None,
+            "all_gathers": all_gathers,
             "seconds": round(elapsed, 3),
             "calls": total.calls,
             "calls_per_second": round(total.calls / elapsed, 1) if elapsed > 0 else None,
@@ -390,7 +421,10 @@ def print_summary(summary: dict[str, Any], out=None) -> None:
         f"calls: {summary['calls']} in {summary['seconds']:.1f} s ({summary['calls_per_second']} calls/s) "
         f"from {summary['threads']} threads x {summary['executables']} executables"
         + (f" on {summary['devices']} devices" if summary["devices"] > 1 else "")
+        + (f" ({summary['mesh']} mesh)" if summary.get("mesh") == "explicit" else "")
     )
+    if summary.get("mesh"):
+        p(f"all-gathers in the {summary['executables']} compiled programs: {summary['all_gathers']}")
     p(f"mismatches: {summary['mismatches']}  errors: {summary['errors']}")
     p(f"churn: {summary['churn_cycles']} executables compiled, run and dropped; "
       f"RSS growth over the churn {summary['churn_rss_growth_mb']} MB")
@@ -453,7 +487,12 @@ def parser() -> argparse.ArgumentParser:
                         "workers run (default: 0, i.e. only while workers run)")
     p.add_argument("--no-churn", dest="churn", action="store_false", help="no churn thread")
     p.add_argument("--devices", type=int, default=1,
-                   help="split the CPU into this many XLA devices and run under shard_map (default: 1)")
+                   help="split the CPU into this many XLA devices and run under shard_map, or under an "
+                        "explicit mesh with --mesh explicit (default: 1)")
+    p.add_argument("--mesh", choices=("shard_map", "explicit"), default="shard_map",
+                   help="with --devices: shard_map (rms_norm inside jax.shard_map over the devices), or "
+                        "explicit (rows-sharded NamedSharding arrays on a jax.make_mesh explicit mesh, "
+                        "compiled under jax.set_mesh) (default: shard_map)")
     p.add_argument("--dtypes", type=_choices(TOLERANCES), default=sorted(TOLERANCES),
                    help="comma-separated dtypes to draw from (default: %(default)s)")
     p.add_argument("--kinds", type=_choices(KINDS), default=list(KINDS),

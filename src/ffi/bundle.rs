@@ -90,10 +90,20 @@ pub trait Prepare: Bundle {
     fn prepare(state: &Self::State, ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<()>;
 }
 
-/// The initialize stage: before each execution, after resources were acquired.
+/// The initialize stage: before each execution, after resources were acquired. XLA:GPU passes
+/// the call's buffers (shapes and dtypes are real; under command buffers the contents may not
+/// be), so a stage can size per-device resources from them.
 pub trait Initialize: Bundle {
+    type Args<'a>: DecodeArgs<'a, Self::Platform>;
+    type Rets<'a>: DecodeRets<'a, Self::Platform>;
     type Attrs<'a>: DecodeAttrs<'a>;
-    fn initialize(state: &Self::State, ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<()>;
+    fn initialize(
+        state: &Self::State,
+        ctx: &Context<'_>,
+        args: Self::Args<'_>,
+        rets: Self::Rets<'_>,
+        attrs: Self::Attrs<'_>,
+    ) -> FfiResult<()>;
 }
 
 /// The execute stage: every call, possibly on many threads at once with the same state.
@@ -158,9 +168,10 @@ unsafe extern "C" fn initialize_entry<B: Initialize>(
     // SAFETY: XLA calls this entry with a call frame (the trampoline validates it).
     unsafe {
         handle(frame, &info::<B>(Stage::Initialize), |frame| {
-            let attrs = frame.decode_attrs::<B::Attrs<'_>>()?;
+            let (args, rets, attrs) =
+                frame.decode_all::<B::Platform, B::Args<'_>, B::Rets<'_>, B::Attrs<'_>>()?;
             let state = B::State::fetch(frame.context())?;
-            B::initialize(state, frame.context(), attrs)
+            B::initialize(state, frame.context(), args, rets, attrs)
         })
     }
 }

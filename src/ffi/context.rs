@@ -18,6 +18,12 @@ use super::types::StateType;
 pub struct Stream(*mut c_void);
 
 impl Stream {
+    /// A stream handle from its raw value (tests and tools that make their own streams); safe
+    /// because the crate never dereferences it, only hands it back to the driver.
+    pub fn from_raw(raw: *mut c_void) -> Stream {
+        Stream(raw)
+    }
+
     pub fn as_raw(&self) -> *mut c_void {
         self.0
     }

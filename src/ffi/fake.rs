@@ -713,15 +713,20 @@ pub struct BuiltBuffers {
 }
 
 impl BuiltBuffers {
-    fn new(mut owned: Vec<OwnedBuffer>) -> Self {
+    /// `devices[i]`: the address buffer `i` points at instead of its own data (device memory).
+    fn new(mut owned: Vec<OwnedBuffer>, devices: &[Option<usize>]) -> Self {
         let mut raw = Vec::new();
         let mut ptrs = Vec::new();
-        for b in owned.iter_mut() {
+        for (i, b) in owned.iter_mut().enumerate() {
+            let data = match devices.get(i).copied().flatten() {
+                Some(address) => address as *mut c_void,
+                None => b.data.as_mut_ptr().cast(),
+            };
             let mut buffer = Box::new(XLA_FFI_Buffer {
                 struct_size: XLA_FFI_Buffer::STRUCT_SIZE,
                 extension_start: ptr::null_mut(),
                 dtype: b.dtype,
-                data: b.data.as_mut_ptr().cast(),
+                data,
                 rank: b.dims.len() as i64,
                 dims: b.dims.as_mut_ptr(),
             });
@@ -772,6 +777,8 @@ pub struct FrameBuilder {
     stage: sys::XLA_FFI_ExecutionStage,
     args: Vec<OwnedBuffer>,
     rets: Vec<OwnedBuffer>,
+    arg_devices: Vec<Option<usize>>,
+    ret_devices: Vec<Option<usize>>,
     attrs: Vec<(String, OwnedAttr)>,
     metadata: bool,
     api: *const XLA_FFI_Api,
@@ -783,6 +790,8 @@ impl FrameBuilder {
             stage: stage.to_raw(),
             args: Vec::new(),
             rets: Vec::new(),
+            arg_devices: Vec::new(),
+            ret_devices: Vec::new(),
             attrs: Vec::new(),
             metadata: false,
             api: api(),
@@ -798,11 +807,28 @@ impl FrameBuilder {
 
     pub fn arg(mut self, buffer: OwnedBuffer) -> Self {
         self.args.push(buffer);
+        self.arg_devices.push(None);
         self
     }
 
     pub fn ret(mut self, buffer: OwnedBuffer) -> Self {
         self.rets.push(buffer);
+        self.ret_devices.push(None);
+        self
+    }
+
+    /// An argument in device memory at `address` (which the test owns), as a GPU runtime
+    /// passes it: dtype and dims, and a pointer the host must not read.
+    pub fn device_arg(mut self, dtype: DataType, dims: &[i64], address: usize) -> Self {
+        self.args.push(OwnedBuffer::zeros(dtype, dims));
+        self.arg_devices.push(Some(address));
+        self
+    }
+
+    /// A result in device memory at `address`; see [`FrameBuilder::device_arg`].
+    pub fn device_ret(mut self, dtype: DataType, dims: &[i64], address: usize) -> Self {
+        self.rets.push(OwnedBuffer::zeros(dtype, dims));
+        self.ret_devices.push(Some(address));
         self
     }
 
@@ -817,8 +843,8 @@ impl FrameBuilder {
     }
 
     pub fn build(self, ctx: &FakeContext) -> BuiltFrame {
-        let mut args = BuiltBuffers::new(self.args);
-        let mut rets = BuiltBuffers::new(self.rets);
+        let mut args = BuiltBuffers::new(self.args, &self.arg_devices);
+        let mut rets = BuiltBuffers::new(self.rets, &self.ret_devices);
         let mut attrs = BuiltAttrs::new(&self.attrs);
         let mut metadata = self.metadata.then(|| {
             Box::new((

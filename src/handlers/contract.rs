@@ -15,8 +15,11 @@ use crate::ffi::DataType;
 pub const FORWARD_TARGET: &str = "rmsnorm_fwd";
 /// The backward target: `(x[, weight], rstd, dy) -> (dx[, dweight])`.
 pub const BACKWARD_TARGET: &str = "rmsnorm_bwd";
-/// Both targets, in registration order.
-pub const TARGETS: [&str; 2] = [FORWARD_TARGET, BACKWARD_TARGET];
+/// The fused residual-add forward (CPU only): `(x, residual[, weight]) -> (y, h, rstd)`, with
+/// `h = x + residual` and the forward of `h`.
+pub const RESIDUAL_TARGET: &str = "rmsnorm_residual_fwd";
+/// Every target, in registration order (the CPU has all three, CUDA the first two).
+pub const TARGETS: [&str; 3] = [FORWARD_TARGET, BACKWARD_TARGET, RESIDUAL_TARGET];
 
 /// Longest row (normalized axis) accepted: keeps workspaces and the GPU scratch bounded.
 pub const MAX_ROW_LEN: i64 = 1 << 26;

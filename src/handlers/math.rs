@@ -7,8 +7,14 @@
 //! `dx = rstd * (g - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`.
 //!
 //! Elements are widened to the accumulator type (f32, or f64 for f64 input) on load and
-//! narrowed on store. Sums use [`LANES`] independent accumulators added in a fixed tree order,
-//! so they vectorize, and so the result does not depend on the instruction set that runs them.
+//! narrowed on store. Sums along a row use [`LANES`] independent accumulators, so they
+//! vectorize, in two levels ([`RowSum`]): each lane sums [`SUM_BLOCK`]` / LANES` elements in the
+//! accumulator type (128 each, per block of 2048), then adds that block sum into a compensated
+//! float64 lane. So the error does not grow with the row length (a float32 sum along 2^24
+//! elements was off by thousands of eps), and the result is the same on every instruction set
+//! (a fixed order, no fused multiply-add). The float64 level costs a few scalar operations per
+//! block (blocks of 256 cost the forward about 30% at rows of 4096; 2048, a few percent). Weight gradients accumulate over rows in [`Accum::Wide`] (float64, or a
+//! compensated float64 pair for float64 input), for the same reason along the other axis.
 //! Every function here is `#[inline(always)]`: it is compiled into the caller's SIMD context
 //! (see `cpu::simd`).
 
@@ -39,16 +45,97 @@ pub trait Accum:
     const ONE: Self;
     const NAN: Self;
     fn from_usize(n: usize) -> Self;
+    /// The weight-gradient accumulator over rows.
+    type Wide: WideSum;
     fn from_f32(v: f32) -> Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
     fn sqrt(self) -> Self;
     fn load<E: Element>(e: E) -> Self;
     fn store<E: Element>(self) -> E;
+}
+
+/// A sum over many terms, kept wider than the terms: float64 for float32 terms (their rounding
+/// errors are far below float32's), a compensated pair for float64 terms.
+pub trait WideSum: Copy + Default + Send + Sync + 'static {
+    fn add(self, v: f64) -> Self;
+    fn merge(self, other: Self) -> Self;
+    fn value(self) -> f64;
+}
+
+impl WideSum for f64 {
+    #[inline(always)]
+    fn add(self, v: f64) -> Self {
+        self + v
+    }
+    #[inline(always)]
+    fn merge(self, other: Self) -> Self {
+        self + other
+    }
+    #[inline(always)]
+    fn value(self) -> f64 {
+        self
+    }
+}
+
+/// A float64 sum with its rounding error carried alongside (Knuth's TwoSum), for float64
+/// terms: the error of the sum stays near one float64 eps however many terms there are.
+#[derive(Clone, Copy, Default, Debug)]
+#[repr(C)]
+pub struct Compensated {
+    hi: f64,
+    lo: f64,
+}
+
+/// `a + b` and its exact rounding error.
+#[inline(always)]
+fn two_sum(a: f64, b: f64) -> (f64, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, (a - (s - bb)) + (b - bb))
+}
+
+impl WideSum for Compensated {
+    #[inline(always)]
+    fn add(self, v: f64) -> Self {
+        let (hi, e) = two_sum(self.hi, v);
+        Compensated {
+            hi,
+            lo: self.lo + e,
+        }
+    }
+    #[inline(always)]
+    fn merge(self, other: Self) -> Self {
+        let (hi, e) = two_sum(self.hi, other.hi);
+        Compensated {
+            hi,
+            lo: self.lo + other.lo + e,
+        }
+    }
+    #[inline(always)]
+    fn value(self) -> f64 {
+        // An infinite sum has a NaN error term (inf - inf): the sum alone is the answer.
+        if self.hi.is_finite() {
+            self.hi + self.lo
+        } else {
+            self.hi
+        }
+    }
 }
 
 impl Accum for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NAN: Self = f32::NAN;
+    type Wide = f64;
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
     #[inline(always)]
     fn from_usize(n: usize) -> Self {
         n as f32
@@ -75,6 +162,15 @@ impl Accum for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NAN: Self = f64::NAN;
+    type Wide = Compensated;
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
     #[inline(always)]
     fn from_usize(n: usize) -> Self {
         n as f64
@@ -200,35 +296,120 @@ impl Element for f16 {
     }
 }
 
-/// Adds the [`LANES`] partial sums in a fixed tree order.
-#[inline(always)]
-fn tree_sum<A: Accum>(mut acc: [A; LANES]) -> A {
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            acc[i] = acc[i] + acc[i + width];
-        }
-        width /= 2;
+/// Elements of a row summed in the accumulator type before they join the float64 lanes.
+pub const SUM_BLOCK: usize = 2048;
+/// `LANES`-wide chunks per block.
+pub const BLOCK_CHUNKS: usize = SUM_BLOCK / LANES;
+
+/// The float64 level of a sum along a row: [`LANES`] compensated float64 lanes, into which
+/// the loops add a block of [`LANES`] accumulators in `A` every [`SUM_BLOCK`] elements (and
+/// once more for the row's tail). Every loop that sums a row blocks it the same way (the
+/// `LANES`-wide chunks in groups of [`BLOCK_CHUNKS`], then the tail), so they give the same
+/// bits; the block accumulators are locals of the loops, so they stay in registers.
+#[derive(Clone, Copy)]
+pub struct RowSum {
+    hi: [f64; LANES],
+    lo: [f64; LANES],
+}
+
+impl Default for RowSum {
+    #[inline(always)]
+    fn default() -> Self {
+        Self::new()
     }
-    acc[0]
+}
+
+impl RowSum {
+    #[inline(always)]
+    pub fn new() -> Self {
+        RowSum {
+            hi: [0.0; LANES],
+            lo: [0.0; LANES],
+        }
+    }
+
+    /// Adds one block of accumulators.
+    #[inline(always)]
+    pub fn add<A: Accum>(&mut self, block: &[A; LANES]) {
+        for ((hi, lo), b) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(block) {
+            let (s, e) = two_sum(*hi, b.to_f64());
+            *hi = s;
+            *lo += e;
+        }
+    }
+
+    /// The sum, in float64.
+    #[inline(always)]
+    pub fn total(self) -> f64 {
+        let (mut sum, mut err) = (0.0f64, 0.0f64);
+        for l in 0..LANES {
+            let (s, e) = two_sum(sum, self.hi[l]);
+            sum = s;
+            err += e + self.lo[l];
+        }
+        // An infinite sum has NaN error terms (inf - inf): the sum alone is the answer, as a
+        // plain sum would give (NaN stays NaN either way).
+        if sum.is_finite() {
+            sum + err
+        } else {
+            sum
+        }
+    }
+}
+
+/// `acc + x^2`, lane by lane, taken and returned by value (so the accumulator stays in a
+/// register: updated in place through a zip or an index, LLVM kept it in memory, a
+/// load-add-store chain that bound the software-pipelined bf16 forward).
+#[inline(always)]
+fn add_squares<T: Element, A: Accum>(mut acc: [A; LANES], x: &[T; LANES]) -> [A; LANES] {
+    for l in 0..LANES {
+        let v = A::load(x[l]);
+        acc[l] = acc[l] + v * v;
+    }
+    acc
+}
+
+/// `acc + g * (x * r)` lane by lane with `g = dy * w` (or `dy`), by value as
+/// [`add_squares`].
+#[inline(always)]
+fn add_dot<T: Element, W: Element, A: Accum>(
+    mut acc: [A; LANES],
+    x: &[T; LANES],
+    dy: &[T; LANES],
+    w: Option<&[W; LANES]>,
+    r: A,
+) -> [A; LANES] {
+    for l in 0..LANES {
+        acc[l] = acc[l] + grad_out::<T, W, A>(dy[l], w.map(|w| w[l])) * (A::load(x[l]) * r);
+    }
+    acc
 }
 
 /// `sum(x^2)`.
 #[inline(always)]
-pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> A {
-    let mut acc = [A::ZERO; LANES];
-    let (blocks, tail) = x.as_chunks::<LANES>();
-    for block in blocks {
-        for (a, &e) in acc.iter_mut().zip(block) {
-            let v = A::load(e);
-            *a = *a + v * v;
+pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
+    let mut sum = RowSum::new();
+    let (chunks, tail) = x.as_chunks::<LANES>();
+    for block in chunks.chunks(BLOCK_CHUNKS) {
+        let mut acc = [A::ZERO; LANES];
+        for c in block {
+            acc = add_squares(acc, c);
         }
+        sum.add(&acc);
     }
+    let mut acc = [A::ZERO; LANES];
     for (a, &e) in acc.iter_mut().zip(tail) {
         let v = A::load(e);
         *a = *a + v * v;
     }
-    tree_sum(acc)
+    sum.add(&acc);
+    sum.total()
+}
+
+/// `1 / sqrt(sum_sq / n + eps)`, taken in float64 and rounded once to `A`.
+#[inline(always)]
+fn rstd_of<A: Accum>(sum_sq: f64, n: usize, eps: A) -> A {
+    A::from_f64(1.0 / (sum_sq / n as f64 + eps.to_f64()).sqrt())
 }
 
 /// `1 / sqrt(mean(x^2) + eps)`; NaN for an empty row, as `jnp.mean` of nothing.
@@ -237,8 +418,7 @@ pub fn rstd<T: Element, A: Accum>(x: &[T], eps: A) -> A {
     if x.is_empty() {
         return A::NAN;
     }
-    let mean = sum_squares::<T, A>(x) / A::from_usize(x.len());
-    A::ONE / (mean + eps).sqrt()
+    rstd_of(sum_squares::<T, A>(x), x.len(), eps)
 }
 
 /// One row of the forward pass; returns the row's `rstd`.
@@ -272,7 +452,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
         rstd.fill(A::NAN);
         return;
     }
-    let finish = |ss: A| A::ONE / (ss / A::from_usize(n) + eps).sqrt();
+    let finish = |ss: f64| rstd_of(ss, n, eps);
     let mut next = match x.get(..n) {
         Some(first) if rows > 0 => finish(sum_squares::<T, A>(first)),
         _ => return,
@@ -287,21 +467,27 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             forward_scale(xr, w_of(i), r, yr);
             break;
         };
-        let mut acc = [A::ZERO; LANES];
+        let mut sum = RowSum::new();
         let (xb, xt) = xr.as_chunks::<LANES>();
         let (nb, nt) = xn.as_chunks::<LANES>();
         let (yb, yt) = yr.as_chunks_mut::<LANES>();
+        let blocks = yb
+            .chunks_mut(BLOCK_CHUNKS)
+            .zip(xb.chunks(BLOCK_CHUNKS))
+            .zip(nb.chunks(BLOCK_CHUNKS));
+        let mut acc = [A::ZERO; LANES];
         match w_of(i) {
             Some(w) => {
                 let (wb, wt) = w.as_chunks::<LANES>();
-                for (((ys, xs), ws), ns) in yb.iter_mut().zip(xb).zip(wb).zip(nb) {
-                    for ((((o, &xi), &wi), &ni), a) in
-                        ys.iter_mut().zip(xs).zip(ws).zip(ns).zip(acc.iter_mut())
-                    {
-                        *o = (A::load(xi) * r * A::load(wi)).store();
-                        let v = A::load(ni);
-                        *a = *a + v * v;
+                for (((yk, xk), nk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
+                    let mut acc = [A::ZERO; LANES];
+                    for (((ys, xs), ws), ns) in yk.iter_mut().zip(xk).zip(wk).zip(nk) {
+                        for l in 0..LANES {
+                            ys[l] = (A::load(xs[l]) * r * A::load(ws[l])).store();
+                        }
+                        acc = add_squares(acc, ns);
                     }
+                    sum.add(&acc);
                 }
                 for (((o, &xi), &wi), (&ni, a)) in yt
                     .iter_mut()
@@ -315,12 +501,15 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 }
             }
             None => {
-                for ((ys, xs), ns) in yb.iter_mut().zip(xb).zip(nb) {
-                    for (((o, &xi), &ni), a) in ys.iter_mut().zip(xs).zip(ns).zip(acc.iter_mut()) {
-                        *o = (A::load(xi) * r).store();
-                        let v = A::load(ni);
-                        *a = *a + v * v;
+                for ((yk, xk), nk) in blocks {
+                    let mut acc = [A::ZERO; LANES];
+                    for ((ys, xs), ns) in yk.iter_mut().zip(xk).zip(nk) {
+                        for l in 0..LANES {
+                            ys[l] = (A::load(xs[l]) * r).store();
+                        }
+                        acc = add_squares(acc, ns);
                     }
+                    sum.add(&acc);
                 }
                 for ((o, &xi), (&ni, a)) in yt.iter_mut().zip(xt).zip(nt.iter().zip(acc.iter_mut()))
                 {
@@ -330,7 +519,18 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
                 }
             }
         }
-        next = finish(tree_sum(acc));
+        sum.add(&acc);
+        next = finish(sum.total());
+    }
+}
+
+/// `h = x + residual`, each sum rounded to `T` (as XLA rounds `x + residual`: half precision
+/// through float32, whose sum of two half-precision values is exact or, far apart in
+/// magnitude, rounds below half a unit of the result).
+#[inline(always)]
+pub fn add_into<T: Element, A: Accum>(x: &[T], residual: &[T], h: &mut [T]) {
+    for ((o, &a), &b) in h.iter_mut().zip(x).zip(residual) {
+        *o = (A::load(a) + A::load(b)).store();
     }
 }
 
@@ -362,34 +562,47 @@ fn grad_out<T: Element, W: Element, A: Accum>(dy: T, w: Option<W>) -> A {
 
 /// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
 #[inline(always)]
-fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> A {
-    let mut acc = [A::ZERO; LANES];
+fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> f64 {
+    let mut sum = RowSum::new();
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
+    let blocks = xb.chunks(BLOCK_CHUNKS).zip(db.chunks(BLOCK_CHUNKS));
+    let mut acc = [A::ZERO; LANES];
     match w {
         Some(w) => {
             let (wb, wt) = w.as_chunks::<LANES>();
-            for ((xs, ds), ws) in xb.iter().zip(db).zip(wb) {
-                for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xs).zip(ds).zip(ws) {
-                    *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
+            for ((xk, dk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
+                let mut acc = [A::ZERO; LANES];
+                for ((xs, ds), ws) in xk.iter().zip(dk).zip(wk) {
+                    acc = add_dot(acc, xs, ds, Some(ws), r);
                 }
+                sum.add(&acc);
             }
             for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xt).zip(dt).zip(wt) {
                 *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
             }
         }
         None => {
-            for (xs, ds) in xb.iter().zip(db) {
-                for ((a, &xi), &di) in acc.iter_mut().zip(xs).zip(ds) {
-                    *a = *a + A::load(di) * (A::load(xi) * r);
+            for (xk, dk) in blocks {
+                let mut acc = [A::ZERO; LANES];
+                for (xs, ds) in xk.iter().zip(dk) {
+                    acc = add_dot::<T, W, A>(acc, xs, ds, None, r);
                 }
+                sum.add(&acc);
             }
             for ((a, &xi), &di) in acc.iter_mut().zip(xt).zip(dt) {
                 *a = *a + A::load(di) * (A::load(xi) * r);
             }
         }
     }
-    tree_sum(acc)
+    sum.add(&acc);
+    sum.total()
+}
+
+/// `mean(g * xhat)` of a row of `n`, rounded once to `A`.
+#[inline(always)]
+fn mean_of<A: Accum>(sum: f64, n: usize) -> A {
+    A::from_f64(sum / n as f64)
 }
 
 /// One row of the backward pass: writes `dx` and, when `dw_acc` is given, adds this row's
@@ -401,13 +614,13 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
     r: A,
     dy: &[T],
     dx: &mut [T],
-    dw_acc: Option<&mut [A]>,
+    dw_acc: Option<&mut [A::Wide]>,
 ) {
     let n = x.len();
     if n == 0 {
         return;
     }
-    let c = dot_g_xhat(x, w, dy, r) / A::from_usize(n);
+    let c = mean_of::<A>(dot_g_xhat(x, w, dy, r), n);
     backward_second_pass(x, w, r, c, dy, dx, dw_acc);
 }
 
@@ -421,7 +634,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
     c: A,
     dy: &[T],
     dx: &mut [T],
-    dw_acc: Option<&mut [A]>,
+    dw_acc: Option<&mut [A::Wide]>,
 ) {
     match (w, dw_acc) {
         (Some(w), Some(acc)) => {
@@ -431,7 +644,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
                 let xhat = A::load(xi) * r;
                 let d = A::load(di);
                 *o = (r * (d * A::load(wi) - xhat * c)).store();
-                *a = *a + d * xhat;
+                *a = a.add((d * xhat).to_f64());
             }
         }
         (Some(w), None) => {
@@ -447,7 +660,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
             }
             if let Some(acc) = acc {
                 for ((a, &xi), &di) in acc.iter_mut().zip(x).zip(dy) {
-                    *a = *a + A::load(di) * (A::load(xi) * r);
+                    *a = a.add((A::load(di) * (A::load(xi) * r)).to_f64());
                 }
             }
         }
@@ -466,15 +679,14 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     w: &[W],
     rstd: &[A],
     dx: &mut [T],
-    acc: &mut [A],
+    acc: &mut [A::Wide],
 ) {
     let rows = rstd.len();
     if n == 0 || rows == 0 {
         return;
     }
-    let nn = A::from_usize(n);
     let row = |i: usize| i * n..(i + 1) * n;
-    let dot = |i: usize| dot_g_xhat(&x[row(i)], Some(w), &dy[row(i)], rstd[i]) / nn;
+    let dot = |i: usize| mean_of::<A>(dot_g_xhat(&x[row(i)], Some(w), &dy[row(i)], rstd[i]), n);
     let mut c = [dot(0), if rows > 1 { dot(1) } else { A::ZERO }];
     let mut i = 0;
     while i + 1 < rows {
@@ -487,8 +699,7 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             let (r2, r3) = (rstd[i + 2], rstd[i + 3]);
             let (x2, x3) = (&x[row(i + 2)], &x[row(i + 3)]);
             let (d2, d3) = (&dy[row(i + 2)], &dy[row(i + 3)]);
-            let mut s2 = [A::ZERO; LANES];
-            let mut s3 = [A::ZERO; LANES];
+            let (mut s2, mut s3) = (RowSum::new(), RowSum::new());
             let (wb, wt) = w.as_chunks::<LANES>();
             let (ab, at) = acc.as_chunks_mut::<LANES>();
             let (x0b, x0t) = x0.as_chunks::<LANES>();
@@ -501,29 +712,42 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             let (d3b, d3t) = d3.as_chunks::<LANES>();
             let (o0b, o0t) = o0.as_chunks_mut::<LANES>();
             let (o1b, o1t) = o1.as_chunks_mut::<LANES>();
-            let blocks = wb
-                .iter()
-                .zip(ab.iter_mut())
-                .zip(x0b.iter().zip(x1b))
-                .zip(d0b.iter().zip(d1b));
-            let outs = o0b.iter_mut().zip(o1b.iter_mut());
-            let ahead = x2b.iter().zip(x3b).zip(d2b.iter().zip(d3b));
-            for ((((ws, accs), (xs0, xs1)), (ds0, ds1)), ((os0, os1), ((xs2, xs3), (ds2, ds3)))) in
-                blocks.zip(outs.zip(ahead))
-            {
-                for l in 0..LANES {
-                    let wl = A::load(ws[l]);
-                    let h0 = A::load(xs0[l]) * r0;
-                    let g0 = A::load(ds0[l]);
-                    os0[l] = (r0 * (g0 * wl - h0 * c0)).store();
-                    let h1 = A::load(xs1[l]) * r1;
-                    let g1 = A::load(ds1[l]);
-                    os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
-                    accs[l] = accs[l] + g0 * h0 + g1 * h1;
-                    s2[l] = s2[l] + A::load(ds2[l]) * wl * (A::load(xs2[l]) * r2);
-                    s3[l] = s3[l] + A::load(ds3[l]) * wl * (A::load(xs3[l]) * r3);
+            let chunks = wb.len();
+            for start in (0..chunks).step_by(BLOCK_CHUNKS) {
+                let k = start..(start + BLOCK_CHUNKS).min(chunks);
+                let blocks = wb[k.clone()]
+                    .iter()
+                    .zip(ab[k.clone()].iter_mut())
+                    .zip(x0b[k.clone()].iter().zip(&x1b[k.clone()]))
+                    .zip(d0b[k.clone()].iter().zip(&d1b[k.clone()]));
+                let outs = o0b[k.clone()].iter_mut().zip(o1b[k.clone()].iter_mut());
+                let ahead = x2b[k.clone()]
+                    .iter()
+                    .zip(&x3b[k.clone()])
+                    .zip(d2b[k.clone()].iter().zip(&d3b[k]));
+                let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
+                for (
+                    (((ws, accs), (xs0, xs1)), (ds0, ds1)),
+                    ((os0, os1), ((xs2, xs3), (ds2, ds3))),
+                ) in blocks.zip(outs.zip(ahead))
+                {
+                    for l in 0..LANES {
+                        let wl = A::load(ws[l]);
+                        let h0 = A::load(xs0[l]) * r0;
+                        let g0 = A::load(ds0[l]);
+                        os0[l] = (r0 * (g0 * wl - h0 * c0)).store();
+                        let h1 = A::load(xs1[l]) * r1;
+                        let g1 = A::load(ds1[l]);
+                        os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
+                        accs[l] = accs[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
+                    }
+                    a2 = add_dot(a2, xs2, ds2, Some(ws), r2);
+                    a3 = add_dot(a3, xs3, ds3, Some(ws), r3);
                 }
+                s2.add(&a2);
+                s3.add(&a3);
             }
+            let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
             for l in 0..wt.len() {
                 let wl = A::load(wt[l]);
                 let h0 = A::load(x0t[l]) * r0;
@@ -532,11 +756,13 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                 let h1 = A::load(x1t[l]) * r1;
                 let g1 = A::load(d1t[l]);
                 o1t[l] = (r1 * (g1 * wl - h1 * c1)).store();
-                at[l] = at[l] + g0 * h0 + g1 * h1;
-                s2[l] = s2[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
-                s3[l] = s3[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
+                at[l] = at[l].add((g0 * h0).to_f64()).add((g1 * h1).to_f64());
+                a2[l] = a2[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
+                a3[l] = a3[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
             }
-            c = [tree_sum(s2) / nn, tree_sum(s3) / nn];
+            s2.add(&a2);
+            s3.add(&a3);
+            c = [mean_of::<A>(s2.total(), n), mean_of::<A>(s3.total(), n)];
         } else {
             backward_second_pass(x0, Some(w), r0, c0, d0, o0, Some(&mut *acc));
             backward_second_pass(x1, Some(w), r1, c1, d1, o1, Some(&mut *acc));
@@ -569,7 +795,7 @@ pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     w_of: impl Fn(usize) -> Option<&'w [W]>,
     rstd: &[A],
     dx: &mut [T],
-    mut acc: Option<&mut [A]>,
+    mut acc: Option<&mut [A::Wide]>,
 ) {
     if n == 0 {
         return;
@@ -636,7 +862,7 @@ mod tests {
             assert!((y[j] as f64 - want).abs() < 1e-5, "{j}");
         }
         let mut dx = vec![0.0f32; n];
-        let mut dw = vec![0.0f32; n];
+        let mut dw = vec![0.0f64; n];
         backward_row::<f32, f32, f32>(&x, Some(&w), r, &dy, &mut dx, Some(&mut dw));
         let c: f64 = (0..n)
             .map(|j| dy[j] as f64 * w[j] as f64 * x[j] as f64 * r64)

@@ -21,6 +21,7 @@ use crate::ffi::{platform, BundleDef, StateTypeRegistration};
 pub const BUNDLES: &[BundleDef] = &[
     cpu::FORWARD_BUNDLE,
     cpu::BACKWARD_BUNDLE,
+    cpu::RESIDUAL_BUNDLE,
     gpu::FORWARD_BUNDLE,
     gpu::BACKWARD_BUNDLE,
 ];

@@ -210,6 +210,24 @@ pub fn forward_operands<'a, 'r, P: Platform>(
     count("results", rets.len(), 2)?;
     let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
     let (y, rstd) = (result(rets, 0)?, result(rets, 1)?);
+    check_forward_results(&x, &y, &rstd, pair)?;
+    Ok(ForwardOperands {
+        x,
+        w,
+        y,
+        rstd,
+        pair,
+        layout,
+    })
+}
+
+/// y of x's dtype and shape, rstd of the pair's accumulator dtype and x's leading shape.
+fn check_forward_results<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    y: &AnyResult<'_, P>,
+    rstd: &AnyResult<'_, P>,
+    pair: DtypePair,
+) -> Result<(), HandlerError> {
     expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
     let lead = &x.dims()[..x.rank() - 1];
     expect(
@@ -218,14 +236,59 @@ pub fn forward_operands<'a, 'r, P: Platform>(
         rstd.dims(),
         pair.accumulation(),
         lead,
+    )
+}
+
+/// The checked operands of one `rmsnorm_residual_fwd` call: x, the residual, the optional
+/// weight, and the results y, h (= x + residual) and rstd.
+pub struct ResidualOperands<'a, 'r, P: Platform> {
+    pub forward: ForwardOperands<'a, 'r, P>,
+    pub residual: AnyBuffer<'a, P>,
+    pub h: AnyResult<'r, P>,
+}
+
+/// Decodes and checks a fused residual-add forward call: arguments (x, residual, [weight]),
+/// results (y, h, rstd); the residual and h of x's dtype and shape, the rest as for
+/// [`forward_operands`].
+pub fn residual_operands<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
+    has_weight: bool,
+    row_len: usize,
+) -> FfiResult<ResidualOperands<'a, 'r, P>> {
+    count("arguments", args.len(), 2 + has_weight as usize)?;
+    count("results", rets.len(), 3)?;
+    let x = args.get(0)?;
+    let (rows, n) = check_x(&x, row_len)?;
+    let residual = args.get(1)?;
+    expect(
+        residual.operand(),
+        residual.dtype(),
+        residual.dims(),
+        x.dtype(),
+        x.dims(),
     )?;
-    Ok(ForwardOperands {
-        x,
-        w,
-        y,
-        rstd,
-        pair,
-        layout,
+    let w = if has_weight { Some(args.get(2)?) } else { None };
+    let groups = match &w {
+        Some(w) => check_weight(&x, w)?,
+        None => 1,
+    };
+    let pair = DtypePair::of(x.dtype(), w.as_ref().map(|w| w.dtype()))
+        .ok_or_else(|| FfiError::internal("the checked dtypes have no pair in the contract"))?;
+    let (y, h, rstd) = (result(rets, 0)?, result(rets, 1)?, result(rets, 2)?);
+    check_forward_results(&x, &y, &rstd, pair)?;
+    expect(h.operand(), h.dtype(), h.dims(), x.dtype(), x.dims())?;
+    Ok(ResidualOperands {
+        forward: ForwardOperands {
+            x,
+            w,
+            y,
+            rstd,
+            pair,
+            layout: Layout { rows, n, groups },
+        },
+        residual,
+        h,
     })
 }
 

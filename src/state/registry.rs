@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use once_cell::sync::Lazy;
+use parking_lot::Mutex;
 
 use crate::ffi::host::{self, HostedState, RegistryHooks, RegistryHost};
 
@@ -28,6 +29,9 @@ pub struct StateRecord {
     pub target: &'static str,
     pub type_name: &'static str,
     executions: AtomicU64,
+    /// What the state says about itself (e.g. which stage loaded a device's resources), set
+    /// off the hot path and shown by `stats()`.
+    details: Mutex<BTreeMap<String, String>>,
 }
 
 impl StateRecord {
@@ -94,6 +98,7 @@ pub(crate) fn workspace_changed(bytes: i64, allocations: u64) {
 
 /// The registry entry of one state; keep it in the state, it deregisters on drop.
 pub struct LiveState {
+    target: &'static str,
     entry: Entry,
 }
 
@@ -123,6 +128,7 @@ impl LiveState {
     pub fn register(target: &'static str, type_name: &'static str) -> LiveState {
         match HostedState::register(target, type_name) {
             Some(hosted) => LiveState {
+                target,
                 entry: Entry::Hosted(hosted),
             },
             None => LiveState::register_local(target, type_name),
@@ -138,11 +144,13 @@ impl LiveState {
             target,
             type_name,
             executions: AtomicU64::new(0),
+            details: Mutex::new(BTreeMap::new()),
         });
         let target_executions = registry.target_counter(target);
         registry.states.insert(id, Arc::clone(&record));
         registry.created.fetch_add(1, Ordering::Relaxed);
         LiveState {
+            target,
             entry: Entry::Local {
                 record,
                 target_executions,
@@ -155,6 +163,23 @@ impl LiveState {
         match &self.entry {
             Entry::Local { record, .. } => record.id,
             Entry::Hosted(hosted) => hosted.id(),
+        }
+    }
+
+    /// The target this state was made for.
+    pub fn target(&self) -> &'static str {
+        self.target
+    }
+
+    /// Sets one detail shown in this state's `stats()` entry (takes a lock: not for the hot
+    /// path). A hosted state's details are not reported: the host's registry hooks (one table
+    /// version, `ffi::host::RegistryHooks`) have no call for them, so this does nothing there.
+    pub fn set_detail(&self, key: impl Into<String>, value: impl Into<String>) {
+        match &self.entry {
+            Entry::Local { record, .. } => {
+                record.details.lock().insert(key.into(), value.into());
+            }
+            Entry::Hosted(_) => {}
         }
     }
 
@@ -220,6 +245,7 @@ pub struct StateSnapshot {
     pub target: &'static str,
     pub type_name: &'static str,
     pub executions: u64,
+    pub details: BTreeMap<String, String>,
 }
 
 /// A point-in-time copy of the registry's figures.
@@ -248,6 +274,7 @@ pub fn snapshot() -> Snapshot {
                 target: r.target,
                 type_name: r.type_name,
                 executions: r.executions(),
+                details: r.details.lock().clone(),
             }
         })
         .collect();

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,8 +18,25 @@ def test_bench_quick_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "fwd ms" in result.stdout
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["rows"]
     assert len(rows) == 4
     for row in rows:
-        for key in ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp"):
+        for key in ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
+                    "res fused", "res unfused", "res jnp"):
             assert row[key] > 0
+        lo, hi = row["fwd / floor spread"]
+        assert lo <= row["fwd / floor"] <= hi
+    assert "residual add + norm" in result.stdout
+    # The sharded case: 4 host devices, explicit and automatic meshes, ours and jnp.
+    assert "sharded fwd+bwd" in result.stdout and "4 host devices" in result.stdout
+    sharded = results["sharded"]
+    assert sorted((r["mesh"], r["impl"]) for r in sharded) == [
+        ("auto", "jnp"), ("auto", "ours"), ("explicit", "jnp"), ("explicit", "ours")]
+    for row in sharded:
+        assert row["devices"] == 4
+        for key in ("wall ms", "one device ms", "replicated ms"):
+            assert row[key] > 0
+        if row["impl"] == "ours":  # rows run per shard: nothing gathered
+            assert row["all_gathers"] == 0, row
+    assert len(re.findall(r"all-gathers \d+", result.stdout)) == 4, result.stdout

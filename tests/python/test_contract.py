@@ -28,9 +28,10 @@ def x64():
 
 
 def test_the_contract_is_what_the_ops_use():
-    assert (CONTRACT["forward_target"], CONTRACT["backward_target"]) == (
+    assert (CONTRACT["forward_target"], CONTRACT["backward_target"], CONTRACT["residual_target"]) == (
         _partitioning.FORWARD_TARGET,
         _partitioning.BACKWARD_TARGET,
+        _partitioning.RESIDUAL_TARGET,
     )
     assert _ops.MAX_ROW_LEN == CONTRACT["max_row_len"] == 1 << 26
     assert len(PAIRS) == len({(x, w) for x, w, _ in PAIRS}) == 7

@@ -1,6 +1,8 @@
 """Every command and Python example in README.md runs: the Python blocks in fresh interpreters,
 the shell commands through bash from the repo root. `make test` is what CI runs (`.ci/run`);
-`make bench` runs here with `--quick` (the full suite takes minutes)."""
+`make bench` runs here with `--quick` (the full suite takes minutes). `make demo` (about 2.5
+minutes) must also have learned, written its plot, and still print the lines the README quotes
+from it; the README's pictures exist."""
 
 import os
 import re
@@ -43,6 +45,35 @@ def test_python_example(code):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_the_readme_pictures_exist():
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    assert "docs/demo_train.png" in pictures
+    for path in pictures:
+        with open(os.path.join(ROOT, path), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+
+
+def demo_quoted():
+    """The demo's output as "The demo" section quotes it (its text block)."""
+    section = README.split("\n## The demo\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```text\n(.*?)```", section, re.S)[0]
+
+
+def check_demo(out):
+    """`make demo` learned, wrote its plot, and still prints what the README quotes: the held-out
+    answers and the state story's counts (lines that depend on neither the machine nor its load)."""
+    assert "learned: every run at least 90% held-out exact match: yes" in out, out[-3000:]
+    quoted = [line for line in demo_quoted().splitlines()
+              if re.match(r"  \d+\+\d+=|  (states instantiated|executions per state): ", line)]
+    assert len(quoted) >= 12
+    for line in quoted:
+        assert line in out, f"the README quotes a line the demo no longer prints:\n{line}\n\n{out[-3000:]}"
+    plot = re.search(r"^plot: (\S+)$", out, re.M)
+    assert plot, out[-3000:]
+    with open(os.path.join(ROOT, plot.group(1)), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("command", [c for c in commands() if c != "make test"])
 def test_shell_command(command, tmp_path):
     env = dict(os.environ, BENCH_ARGS=f"--quick --out {tmp_path}")
@@ -50,3 +81,5 @@ def test_shell_command(command, tmp_path):
         ["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
     )
     assert result.returncode == 0, f"{command}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    if command == "make demo":
+        check_demo(result.stdout)

@@ -26,6 +26,7 @@ def run_stress(tmp_path, *options, timeout=900):
     summary = json.loads(out.read_text())
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
     assert summary["ok"] and "OK" in result.stdout.splitlines()[-1]
+    summary["stdout"] = result.stdout
     return summary
 
 
@@ -70,10 +71,28 @@ def test_four_host_devices_one_state_serves_all(tmp_path):
     assert summary["churn_rss_growth_mb"] < RSS_GROWTH_BOUND_MB, summary
 
 
+def test_four_host_devices_explicit_mesh(tmp_path):
+    # The arrays carry their shardings (rows over an explicit mesh) and the programs are
+    # compiled under jax.set_mesh: the primitives partition the calls themselves.
+    summary = run_stress(
+        tmp_path, "--devices", "4", "--mesh", "explicit", "-t", "4", "-k", "3", "-n", "25", "--churn-cycles", "10",
+        "--shapes", "16x1000,32x256,64x512,8x4096",
+    )
+    assert_clean(summary)
+    assert summary["devices"] == 4 and summary["mesh"] == "explicit"
+    assert summary["calls"] >= 4 * 3 * 25 + 10
+    # Rows run per shard: no gather in any compiled program, and every call ran on 4 devices.
+    assert summary["all_gathers"] == 0
+    assert all(n % 4 == 0 for n in summary["executions"].values()), summary["executions"]
+    assert summary["executions"]["rmsnorm_fwd"] >= 4 * summary["calls"]  # every call runs a forward
+    assert "on 4 devices (explicit mesh)" in summary["stdout"]
+    assert "all-gathers in the 3 compiled programs: 0" in summary["stdout"]
+
+
 def test_help_explains_the_options():
     result = subprocess.run([sys.executable, "-m", "rmsnorm_ffi.stress", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for option in ("--threads", "--executables", "--calls", "--seconds", "--seed", "--devices", "--churn-cycles"):
+    for option in ("--threads", "--executables", "--calls", "--seconds", "--seed", "--devices", "--churn-cycles", "--mesh"):
         assert option in result.stdout
 
 

@@ -16,11 +16,14 @@ pub mod simd;
 use half::{bf16, f16};
 
 use super::contract::DtypePair;
-pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET};
-use super::math::{backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Element};
+pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
+use super::math::{
+    add_into, backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated,
+    Element, WideSum,
+};
 use super::operands::{
-    backward_operands, check_eps, check_row_len, forward_operands, BackwardOperands,
-    ForwardOperands, Layout,
+    backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
+    BackwardOperands, ForwardOperands, Layout, ResidualOperands,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
@@ -60,9 +63,10 @@ pub struct BackwardState {
     has_weight: bool,
     row_len: usize,
     jobs: ParallelJobs,
-    /// Weight-gradient partial rows, one per chunk (f32 accumulation; f64 for f64 input).
-    partials_f32: WorkspacePool<f32>,
-    partials_f64: WorkspacePool<f64>,
+    /// Weight-gradient partial rows, one per chunk: float64 sums of float32 terms, and
+    /// compensated float64 sums of float64 terms (`math::Accum::Wide`).
+    partials_f32: WorkspacePool<f64>,
+    partials_f64: WorkspacePool<Compensated>,
 }
 crate::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 
@@ -73,18 +77,42 @@ impl Bundle for Forward {
     type State = ForwardState;
 }
 
-impl Instantiate for Forward {
-    type Attrs<'a> = ForwardAttrs;
-    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+impl ForwardState {
+    fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
         check_eps(attrs.eps)?;
         Ok(ForwardState {
-            live: LiveState::register(FORWARD_TARGET, "rmsnorm_ffi.RmsNormForwardState"),
+            live: LiveState::register(target, "rmsnorm_ffi.RmsNormForwardState"),
             kernel: Kernel::detect(),
             eps: attrs.eps,
             has_weight: attrs.has_weight,
             row_len: check_row_len(attrs.row_len)?,
             jobs: ParallelJobs::new(),
         })
+    }
+}
+
+impl Instantiate for Forward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+        ForwardState::new(FORWARD_TARGET, attrs)
+    }
+}
+
+/// The residual add fused with the forward: `h = x + residual` (rounded to x's dtype, as
+/// XLA rounds `x + residual`), then the forward of `h`, chunk by chunk, so x and the residual
+/// are read from memory once and `h` is read back from cache. Same state and attributes as
+/// [`Forward`].
+pub struct ResidualForward;
+impl Bundle for ResidualForward {
+    const TARGET: &'static str = RESIDUAL_TARGET;
+    type Platform = Host;
+    type State = ForwardState;
+}
+
+impl Instantiate for ResidualForward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
+        ForwardState::new(RESIDUAL_TARGET, attrs)
     }
 }
 
@@ -164,26 +192,61 @@ impl Execute for Forward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let ForwardOperands {
-            x,
-            w,
-            y,
-            rstd,
-            pair,
-            layout,
-        } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        let call = ForwardCall { state, ctx, layout };
-        // One arm per pair of the op contract: a pair added there does not compile until it
-        // has a kernel here.
-        match pair {
-            DtypePair::F32 => call.run::<f32, f32, f32>(x, w, y, rstd),
-            DtypePair::F64 => call.run::<f64, f64, f64>(x, w, y, rstd),
-            DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(x, w, y, rstd),
-            DtypePair::BF16 => call.run::<bf16, bf16, f32>(x, w, y, rstd),
-            DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(x, w, y, rstd),
-            DtypePair::F16 => call.run::<f16, f16, f32>(x, w, y, rstd),
-            DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(x, w, y, rstd),
-        }
+        let ops = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        forward_dispatch(state, ctx, ops, None)
+    }
+}
+
+impl Execute for ResidualForward {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = ResultList<'a>;
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &ForwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_>,
+        mut rets: ResultList<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        let ResidualOperands {
+            forward,
+            residual,
+            h,
+        } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        forward_dispatch(state, ctx, forward, Some((residual, h)))
+    }
+}
+
+/// The residual operand and the `h` result of a fused call.
+type Residual<'a, 'r> = Option<(AnyBuffer<'a>, AnyResult<'r>)>;
+
+fn forward_dispatch(
+    state: &ForwardState,
+    ctx: &Context<'_>,
+    ops: ForwardOperands<'_, '_, Host>,
+    res: Residual<'_, '_>,
+) -> FfiResult<()> {
+    let ForwardOperands {
+        x,
+        w,
+        y,
+        rstd,
+        pair,
+        layout,
+    } = ops;
+    let call = ForwardCall { state, ctx, layout };
+    // One arm per pair of the op contract: a pair added there does not compile until it has a
+    // kernel here.
+    match pair {
+        DtypePair::F32 => call.run::<f32, f32, f32>(x, w, y, rstd, res),
+        DtypePair::F64 => call.run::<f64, f64, f64>(x, w, y, rstd, res),
+        DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(x, w, y, rstd, res),
+        DtypePair::BF16 => call.run::<bf16, bf16, f32>(x, w, y, rstd, res),
+        DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(x, w, y, rstd, res),
+        DtypePair::F16 => call.run::<f16, f16, f32>(x, w, y, rstd, res),
+        DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(x, w, y, rstd, res),
     }
 }
 
@@ -200,19 +263,29 @@ impl ForwardCall<'_, '_, '_> {
         w: Option<AnyBuffer<'_>>,
         y: AnyResult<'_>,
         rstd: AnyResult<'_>,
+        res: Residual<'_, '_>,
     ) -> FfiResult<()> {
         let Layout { rows, n, .. } = self.layout;
         let x = x.as_slice::<T>()?;
         let w = w.map(|w| w.as_slice::<W>()).transpose()?;
         let y = y.into_mut_slice::<T>()?;
         let rstd = rstd.into_mut_slice::<A>()?;
+        let res = match res {
+            Some((r, h)) => Some((r.as_slice::<T>()?, h.into_mut_slice::<T>()?)),
+            None => None,
+        };
         if n == 0 {
             rstd.fill(A::NAN);
             return Ok(());
         }
         let plan = Plan::split(rows, n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
-        let y_chunks = DisjointChunks::new(y, &plan.scaled(n)[..plan.count() + 1])?;
+        let element_bounds = &plan.scaled(n)[..plan.count() + 1];
+        let y_chunks = DisjointChunks::new(y, element_bounds)?;
         let rstd_chunks = DisjointChunks::new(rstd, plan.bounds())?;
+        let (residual, h_chunks) = match res {
+            Some((r, h)) => (Some(r), Some(DisjointChunks::new(h, element_bounds)?)),
+            None => (None, None),
+        };
         let eps = A::from_f32(self.state.eps);
         let per_group = self.layout.rows_per_group().max(1);
         let kernel = self.state.kernel;
@@ -221,20 +294,38 @@ impl ForwardCall<'_, '_, '_> {
                 return;
             };
             let first = plan.start(c);
+            let span = first * n..(first + rstd.len()) * n;
+            // The fused residual add writes this chunk's h, which the norm then reads (from
+            // cache) in place of x.
+            let h = match (residual, h_chunks.as_ref()) {
+                (Some(r), Some(h_chunks)) => match h_chunks.take(c) {
+                    Some(h) => Some((&r[span.clone()], h)),
+                    None => return,
+                },
+                _ => None,
+            };
             kernel.run(
                 #[inline(always)]
                 || {
+                    let x_rows: &[T] = match h {
+                        Some((r, h)) => {
+                            add_into::<T, A>(&x[span.clone()], r, h);
+                            h
+                        }
+                        None => &x[span.clone()],
+                    };
                     let w_of = |i: usize| w.map(|w| &w[((first + i) / per_group) * n..][..n]);
                     if std::mem::size_of::<T>() == 2 {
                         // Half precision is bound by conversions, not memory: overlapping the
                         // next row's sum with this row's write pays (bit-identical results).
-                        let x_rows = &x[first * n..(first + rstd.len()) * n];
                         forward_rows::<T, W, A>(x_rows, n, w_of, eps, y, rstd);
                     } else {
-                        for (i, (y_row, r)) in
-                            y.chunks_exact_mut(n).zip(rstd.iter_mut()).enumerate()
+                        for (i, ((y_row, r), x_row)) in y
+                            .chunks_exact_mut(n)
+                            .zip(rstd.iter_mut())
+                            .zip(x_rows.chunks_exact(n))
+                            .enumerate()
                         {
-                            let x_row = &x[(first + i) * n..(first + i + 1) * n];
                             *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
                         }
                     }
@@ -294,7 +385,7 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
     /// Rows `first..` (as many as `dx_rows` holds): two rows per loop when they share one
     /// weight row and accumulate its gradient (`math::backward_rows_paired`), else row by row.
     #[inline(always)]
-    fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A]>) {
+    fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A::Wide]>) {
         let n = self.n;
         let count = dx_rows.len() / n;
         let span = first * n..(first + count) * n;
@@ -332,7 +423,7 @@ impl BackwardCall<'_, '_, '_> {
     fn run<T: Element, W: Element, A: Accum>(
         &self,
         ops: BackwardOperands<'_, '_, Host>,
-        partials: &WorkspacePool<A>,
+        partials: &WorkspacePool<A::Wide>,
     ) -> FfiResult<()> {
         let Layout { rows, n, groups } = self.layout;
         let x = ops.x.as_slice::<T>()?;
@@ -410,11 +501,11 @@ impl BackwardCall<'_, '_, '_> {
                             .zip(dw.chunks_exact_mut(n))
                             .enumerate()
                         {
-                            acc.fill(A::ZERO);
+                            acc.fill(A::Wide::default());
                             let first_row = (first_group + gi) * per_group;
                             inputs.rows_from(first_row, dx_group, Some(&mut *acc));
                             for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                                *o = a.store();
+                                *o = W::from_f64(a.value());
                             }
                         }
                     },
@@ -438,7 +529,7 @@ impl BackwardCall<'_, '_, '_> {
                 kernel.run(
                     #[inline(always)]
                     || {
-                        acc.fill(A::ZERO);
+                        acc.fill(A::Wide::default());
                         inputs.rows_from(first, dx, Some(&mut *acc));
                     },
                 )
@@ -458,19 +549,19 @@ impl BackwardCall<'_, '_, '_> {
                     // a stack buffer: contiguous loads that vectorize. (A block of the plan can
                     // be wider than REDUCE_BLOCK for long rows: the plan has at most
                     // MAX_CHUNKS blocks.)
-                    let mut buffer = [A::ZERO; REDUCE_BLOCK];
+                    let mut buffer = [A::Wide::default(); REDUCE_BLOCK];
                     for (k, out) in out.chunks_mut(REDUCE_BLOCK).enumerate() {
                         let col = first + k * REDUCE_BLOCK;
                         let sum = &mut buffer[..out.len()];
-                        sum.fill(A::ZERO);
+                        sum.fill(A::Wide::default());
                         for c in 0..chunks {
                             let row = &partial[c * n + col..][..sum.len()];
                             for (s, &p) in sum.iter_mut().zip(row) {
-                                *s = *s + p;
+                                *s = s.merge(p);
                             }
                         }
                         for (o, &s) in out.iter_mut().zip(sum.iter()) {
-                            *o = s.store();
+                            *o = W::from_f64(s.value());
                         }
                     }
                 },
@@ -483,6 +574,10 @@ impl BackwardCall<'_, '_, '_> {
 }
 
 pub const FORWARD_BUNDLE: BundleDef = BundleDef::of::<Forward>().instantiate().execute().build();
+pub const RESIDUAL_BUNDLE: BundleDef = BundleDef::of::<ResidualForward>()
+    .instantiate()
+    .execute()
+    .build();
 pub const BACKWARD_BUNDLE: BundleDef = BundleDef::of::<Backward>().instantiate().execute().build();
 
 #[cfg(test)]

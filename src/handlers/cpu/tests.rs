@@ -40,7 +40,7 @@ fn kernel_results<T: Element, W: Element, A: Accum>(
     let dy: Vec<T> = values(n, 3).into_iter().map(T::from_f32).collect();
     let mut y = vec![T::default(); n];
     let mut dx = vec![T::default(); n];
-    let mut acc = vec![A::ZERO; n];
+    let mut acc = vec![A::Wide::default(); n];
     kernel.run(|| {
         let r = math::forward_row::<T, W, A>(&x, Some(&w), A::from_f32(1e-5), &mut y);
         math::backward_row::<T, W, A>(&x, Some(&w), r, &dy, &mut dx, Some(&mut acc));
@@ -48,7 +48,7 @@ fn kernel_results<T: Element, W: Element, A: Accum>(
     (
         bits(&y),
         bits(&dx),
-        acc.iter().map(|a| a.store::<f64>().to_bits()).collect(),
+        acc.iter().map(|a| a.value().to_bits()).collect(),
     )
 }
 
@@ -473,7 +473,7 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
             }
             // Backward with a weight: two rows per loop against row by row.
             let (mut dx1, mut dx2) = (vec![T::default(); n * rows], vec![T::default(); n * rows]);
-            let (mut a1, mut a2) = (vec![0f32; n], vec![0f32; n]);
+            let (mut a1, mut a2) = (vec![0f64; n], vec![0f64; n]);
             kernel.run(|| {
                 math::backward_rows::<T, W, f32>(
                     &x,

@@ -1,41 +1,43 @@
 //! RMS norm on NVIDIA GPUs: the `rmsnorm_fwd` / `rmsnorm_bwd` bundles for platform CUDA.
 //!
 //! - [`rmsnorm.cu`](kernels::SOURCE): the kernels, stamped per dtype, compiled by NVRTC.
-//! - [`driver`]: NVRTC and the driver API, loaded at run time (the only `unsafe` here).
-//! - [`kernels`]: the kernel table, the per-capability compile cache and the launch shapes.
+//! - [`driver`]: NVRTC and the driver API, loaded at run time (the only `unsafe` here); generic.
+//! - [`kernels`]: the kernel table (names and parameter lists) and the per-capability compile
+//!   cache; [`plan`]: the launch shapes and the scratch they use; [`resources`]: the module per
+//!   device (shared) and each state's scratch per device.
 //!
 //! Stages. *Instantiate* (no device, no stream) validates the attributes, and compiles the
 //! kernels for the capability of every visible device (cached per process), so a compile error
 //! or a missing NVRTC fails compilation of the JAX program, not its first run. *Initialize*
-//! (and, if XLA skips it, the first execute on a device) loads the module into that device's
-//! primary context and allocates the backward's weight-gradient partials, once per device,
-//! kept in the state by device ordinal and freed by the state's deleter. *Execute* checks the
-//! buffers against the attributes and only enqueues kernels on XLA's stream: no
-//! synchronization, no allocation, no host reads of the arguments, fixed scratch pointers.
-//! Hence the bundles declare themselves command-buffer compatible (CUDA graphs).
+//! (and, if XLA skips it, the first execute on a device, unless the stream is being captured)
+//! finds the CUDA device of the call's stream, makes sure the process has the module loaded
+//! there, and allocates this call site's weight-gradient scratch, sized from the buffers'
+//! shapes; freed by the state's deleter. *Execute* checks the buffers against the attributes
+//! and only enqueues kernels on XLA's stream: one launch for the forward, one backward and one
+//! finalize for the backward whatever the weight batch; no synchronization, no allocation, no
+//! host reads of the arguments, fixed scratch pointers. Hence the bundles declare themselves
+//! command-buffer compatible (CUDA graphs).
 //!
 //! The scratch is per device, not per stream: XLA runs one executable's work for a device on
 //! that device's compute stream, so calls using the same scratch are ordered by the stream.
 
 pub mod driver;
 pub mod kernels;
-
-use std::sync::Arc;
-
-use dashmap::DashMap;
-use once_cell::sync::OnceCell;
+pub mod plan;
+pub mod resources;
 
 use super::operands::{
     backward_operands, check_eps, check_row_len, forward_operands, BackwardAttrs, BackwardOperands,
-    ForwardAttrs, ForwardOperands,
+    ForwardAttrs, ForwardOperands, Layout,
 };
 use crate::ffi::{
-    ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult, Initialize,
-    Instantiate, ResultList, Traits,
+    AnyBuffer, ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult,
+    Initialize, Instantiate, ResultList, Stage, Traits,
 };
 use crate::state::LiveState;
-use driver::{DeviceModule, GpuError, KernelArgs, LaunchConfig};
-use kernels::{Direction, Launch};
+use driver::{GpuError, LaunchConfig};
+use kernels::Direction;
+use resources::DeviceSlots;
 
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET};
 
@@ -49,53 +51,6 @@ impl From<GpuError> for FfiError {
             _ if e.is_out_of_memory() => FfiError::ResourceExhausted(e.to_string()),
             _ => FfiError::Internal(e.to_string()),
         }
-    }
-}
-
-/// What one device holds for one call site: the loaded module, its scratch, and the backward
-/// block limit (resident blocks, bounded by the scratch rows).
-struct DeviceResources {
-    module: DeviceModule,
-    sm_count: usize,
-    /// Partial rows (float32-sized) the scratch holds.
-    partial_rows: usize,
-}
-
-/// Per-device resources, made once per device ordinal.
-#[derive(Default)]
-struct Devices {
-    by_ordinal: DashMap<i32, Arc<OnceCell<DeviceResources>>>,
-}
-
-impl Devices {
-    fn get_or_load(
-        &self,
-        ordinal: i32,
-        row_len: usize,
-        backward: bool,
-    ) -> FfiResult<Arc<OnceCell<DeviceResources>>> {
-        let cell = match self.by_ordinal.get(&ordinal) {
-            Some(c) => c.clone(),
-            None => self.by_ordinal.entry(ordinal).or_default().clone(),
-        };
-        cell.get_or_try_init(|| -> FfiResult<DeviceResources> {
-            let cuda = driver::cuda()?;
-            let compiled = kernels::compiled_for(cuda.capability(ordinal)?)?;
-            let sm_count = cuda.sm_count(ordinal)?.max(1) as usize;
-            let partial_rows = kernels::partial_rows(row_len, sm_count);
-            let scratch = if backward && row_len > 0 {
-                (partial_rows * row_len * 4).max(row_len * 8)
-            } else {
-                0
-            };
-            let module = DeviceModule::load(ordinal, &compiled.image(), &kernels::NAMES, scratch)?;
-            Ok(DeviceResources {
-                module,
-                sm_count,
-                partial_rows,
-            })
-        })?;
-        Ok(cell)
     }
 }
 
@@ -125,7 +80,7 @@ pub struct GpuForwardState {
     eps: f32,
     has_weight: bool,
     row_len: usize,
-    devices: Devices,
+    devices: DeviceSlots,
 }
 crate::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardState");
 
@@ -134,7 +89,7 @@ pub struct GpuBackwardState {
     pub live: LiveState,
     has_weight: bool,
     row_len: usize,
-    devices: Devices,
+    devices: DeviceSlots,
 }
 crate::state_type!(GpuBackwardState, "rmsnorm_ffi.RmsNormGpuBackwardState");
 
@@ -157,18 +112,35 @@ impl Instantiate for GpuForward {
             eps: attrs.eps,
             has_weight: attrs.has_weight,
             row_len,
-            devices: Devices::default(),
+            devices: DeviceSlots::default(),
         })
     }
 }
 
 impl Initialize for GpuForward {
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
     type Attrs<'a> = ();
-    fn initialize(state: &GpuForwardState, ctx: &Context<'_>, (): ()) -> FfiResult<()> {
-        let ordinal = ctx.device_ordinal()?;
-        state.devices.get_or_load(ordinal, state.row_len, false)?;
+    fn initialize(
+        state: &GpuForwardState,
+        ctx: &Context<'_>,
+        _args: ArgsView<'_, Cuda>,
+        _rets: ResultList<'_, Cuda>,
+        (): (),
+    ) -> FfiResult<()> {
+        forward_slot(state, ctx, Stage::Initialize)?;
         Ok(())
     }
+}
+
+type Slot = std::sync::Arc<once_cell::sync::OnceCell<resources::DeviceSlot>>;
+
+fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> FfiResult<Slot> {
+    let stream = ctx.stream()?;
+    let device = driver::cuda()?.stream_device(stream)?;
+    state
+        .devices
+        .get_or_acquire(&state.live, stream, &device, stage, |_| 0)
 }
 
 pub struct GpuBackward;
@@ -188,32 +160,54 @@ impl Instantiate for GpuBackward {
             live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState"),
             has_weight: attrs.has_weight,
             row_len,
-            devices: Devices::default(),
+            devices: DeviceSlots::default(),
         })
     }
 }
 
 impl Initialize for GpuBackward {
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
     type Attrs<'a> = ();
-    fn initialize(state: &GpuBackwardState, ctx: &Context<'_>, (): ()) -> FfiResult<()> {
-        let ordinal = ctx.device_ordinal()?;
-        state
-            .devices
-            .get_or_load(ordinal, state.row_len, state.has_weight)?;
+    fn initialize(
+        state: &GpuBackwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_, Cuda>,
+        mut rets: ResultList<'_, Cuda>,
+        (): (),
+    ) -> FfiResult<()> {
+        let ops = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        backward_slot(state, ctx, Stage::Initialize, ops.x.dtype(), ops.layout)?;
         Ok(())
     }
 }
 
-fn addr(p: *mut std::ffi::c_void) -> u64 {
-    p as usize as u64
+fn backward_slot(
+    state: &GpuBackwardState,
+    ctx: &Context<'_>,
+    stage: Stage,
+    x: DataType,
+    layout: Layout,
+) -> FfiResult<Slot> {
+    let stream = ctx.stream()?;
+    let device = driver::cuda()?.stream_device(stream)?;
+    let has_weight = state.has_weight;
+    state
+        .devices
+        .get_or_acquire(&state.live, stream, &device, stage, |sm_count| {
+            plan::backward_scratch_bytes(
+                x,
+                layout.n,
+                layout.groups,
+                layout.rows_per_group(),
+                sm_count,
+                has_weight,
+            )
+        })
 }
 
-fn config(l: &Launch) -> LaunchConfig {
-    LaunchConfig {
-        grid: (l.grid, 1),
-        block: (l.block, 1),
-        shared_bytes: l.shared_bytes,
-    }
+fn addr(p: *mut std::ffi::c_void) -> u64 {
+    p as usize as u64
 }
 
 fn missing_kernel(x: DataType, w: Option<DataType>) -> FfiError {
@@ -222,6 +216,10 @@ fn missing_kernel(x: DataType, w: Option<DataType>) -> FfiError {
         x.name(),
         w.map_or("none", |w| w.name())
     ))
+}
+
+fn weight_ptr(w: &Option<AnyBuffer<'_, Cuda>>) -> u64 {
+    w.as_ref().map_or(0, |w| addr(w.device_ptr()))
 }
 
 impl Execute for GpuForward {
@@ -248,40 +246,38 @@ impl Execute for GpuForward {
         if layout.rows == 0 {
             return Ok(());
         }
-        let stream = ctx.stream()?;
-        let ordinal = ctx.device_ordinal()?;
-        let cell = state.devices.get_or_load(ordinal, state.row_len, false)?;
-        let dev = cell
+        let cell = forward_slot(state, ctx, Stage::Execute)?;
+        let slot = cell
             .get()
             .ok_or_else(|| FfiError::internal("device not loaded"))?;
         let wd = w.as_ref().map(|w| w.dtype());
         let (xp, wp, yp, rp) = (
             addr(x.device_ptr()),
-            w.as_ref().map_or(0, |w| addr(w.device_ptr())),
+            weight_ptr(&w),
             addr(y.device_ptr()),
             addr(rstd.device_ptr()),
         );
-        let vectorized = layout.n > 0 && kernels::can_vectorize(x.dtype(), layout.n, &[xp, wp, yp]);
+        let vectorized = layout.n > 0 && plan::can_vectorize(x.dtype(), layout.n, &[xp, wp, yp]);
         let index = kernels::kernel_index(Direction::Forward, x.dtype(), wd, vectorized)
             .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
-        let launch = kernels::forward_launch(x.dtype(), layout.n, layout.rows, vectorized);
-        let rows_per_group = layout.rows_per_group().max(1);
-        dev.module.launch(
-            index,
-            config(&launch),
-            stream,
-            KernelArgs::Forward {
-                x: xp,
-                w: wp,
-                y: yp,
-                rstd: rp,
-                rows: layout.rows as i64,
-                n: layout.n as i32,
-                team: launch.team as i32,
-                eps: state.eps,
-                rows_per_group: rows_per_group as i64,
-            },
-        )?;
+        let launch = plan::forward_launch(x.dtype(), layout.n, layout.rows, vectorized);
+        let config = LaunchConfig {
+            grid: launch.grid,
+            block: (launch.block, 1),
+            shared_bytes: launch.shared_bytes,
+        };
+        slot.module
+            .launch(index, config)?
+            .ptr("x", xp)
+            .ptr("w", wp)
+            .ptr("y", yp)
+            .ptr("rstd", rp)
+            .i64("rows", layout.rows as i64)
+            .i32("n", layout.n as i32)
+            .i32("team", launch.team as i32)
+            .f32("eps", state.eps)
+            .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
+            .enqueue(ctx.stream()?)?;
         Ok(())
     }
 }
@@ -309,87 +305,92 @@ impl Execute for GpuBackward {
             pair,
             layout,
         } = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        let acc = pair.accumulation();
         let n = layout.n;
-        if n == 0 || (layout.rows == 0 && dw.is_none()) {
+        if n == 0 || (layout.rows == 0 && (dw.is_none() || layout.groups == 0)) {
             return Ok(());
         }
-        let stream = ctx.stream()?;
-        let ordinal = ctx.device_ordinal()?;
-        let cell = state
-            .devices
-            .get_or_load(ordinal, state.row_len, state.has_weight)?;
-        let dev = cell
+        let cell = backward_slot(state, ctx, Stage::Execute, x.dtype(), layout)?;
+        let slot = cell
             .get()
             .ok_or_else(|| FfiError::internal("device not loaded"))?;
+        let stream = ctx.stream()?;
+        let acc = pair.accumulation();
         let wd = w.as_ref().map(|w| w.dtype());
-        let xs = kernels::size_of(x.dtype());
         let (xp, wp, rp, dyp, dxp) = (
             addr(x.device_ptr()),
-            w.as_ref().map_or(0, |w| addr(w.device_ptr())),
+            weight_ptr(&w),
             addr(rstd.device_ptr()),
             addr(dy.device_ptr()),
             addr(dx.device_ptr()),
         );
         let dwp = dw.as_ref().map_or(0, |d| addr(d.device_ptr()));
-        let vectorized = kernels::can_vectorize(x.dtype(), n, &[xp, wp, dyp, dxp]);
-        let index = kernels::kernel_index(Direction::Backward, x.dtype(), wd, vectorized)
-            .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
-        // Blocks: resident ones (one 512-thread block per SM, by the kernel's launch bounds),
-        // within the scratch rows (half as many float64 rows).
-        let (scratch, _) = dev.module.scratch();
-        let scratch_rows = dev.partial_rows * 4 / kernels::size_of(acc);
-        let max_blocks = if dw.is_some() {
-            dev.sm_count.min(scratch_rows)
-        } else {
-            dev.sm_count
-        };
-        // One weight row per group: each group is its own launch pair on the same stream,
-        // which orders their uses of the scratch.
+        let vectorized = plan::can_vectorize(x.dtype(), n, &[xp, wp, dyp, dxp]);
         let per_group = layout.rows_per_group();
-        for g in 0..layout.groups {
-            let row0 = (g * per_group) as u64;
-            let launch = kernels::backward_launch(x.dtype(), n, per_group, vectorized, max_blocks);
-            let w_off = (g * n * wd.map_or(0, kernels::size_of)) as u64;
-            if per_group > 0 {
-                dev.module.launch(
-                    index,
-                    config(&launch),
-                    stream,
-                    KernelArgs::Backward {
-                        x: xp + row0 * (n * xs) as u64,
-                        w: if wp == 0 { 0 } else { wp + w_off },
-                        rstd: rp + row0 * kernels::size_of(acc) as u64,
-                        dy: dyp + row0 * (n * xs) as u64,
-                        dx: dxp + row0 * (n * xs) as u64,
-                        partial: if dw.is_some() { scratch } else { 0 },
-                        rows: per_group as i64,
-                        n: n as i32,
-                        team: launch.team as i32,
-                        chunk: launch.chunk,
-                    },
-                )?;
+        let launch = plan::backward_launch(
+            x.dtype(),
+            n,
+            layout.groups,
+            per_group,
+            vectorized,
+            slot.sm_count,
+            dw.is_some(),
+        );
+        let (scratch, scratch_bytes) = slot.scratch();
+        if dw.is_some() && per_group > 0 {
+            let needed = launch.grid as usize * n * kernels::size_of(acc);
+            if needed > scratch_bytes {
+                return Err(FfiError::internal(format!(
+                    "rmsnorm_bwd: the launch needs {needed} scratch bytes, the call site holds \
+                     {scratch_bytes} (shapes changed since initialize?)"
+                )));
             }
-            if let Some(wd) = wd {
-                let fin = kernels::finalize_index(acc, wd)
-                    .ok_or_else(|| missing_kernel(acc, Some(wd)))?;
-                let blocks = if per_group > 0 { launch.grid as i32 } else { 0 };
-                dev.module.launch(
+        }
+        if per_group > 0 {
+            let index = kernels::kernel_index(Direction::Backward, x.dtype(), wd, vectorized)
+                .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
+            let config = LaunchConfig {
+                grid: launch.grid,
+                block: (launch.block, 1),
+                shared_bytes: launch.shared_bytes,
+            };
+            slot.module
+                .launch(index, config)?
+                .ptr("x", xp)
+                .ptr("w", wp)
+                .ptr("rstd", rp)
+                .ptr("dy", dyp)
+                .ptr("dx", dxp)
+                .ptr("partial", if dw.is_some() { scratch } else { 0 })
+                .i32("n", n as i32)
+                .i32("team", launch.team as i32)
+                .i64("chunk", launch.chunk)
+                .i64("rows_per_group", per_group as i64)
+                .i64("blocks_per_group", launch.blocks_per_group as i64)
+                .enqueue(stream)?;
+        }
+        if let Some(wd) = wd {
+            let fin =
+                kernels::finalize_index(acc, wd).ok_or_else(|| missing_kernel(acc, Some(wd)))?;
+            let blocks = if per_group > 0 {
+                launch.blocks_per_group as i32
+            } else {
+                0
+            };
+            let grid = (n.div_ceil(32) * layout.groups).min(i32::MAX as usize) as u32;
+            slot.module
+                .launch(
                     fin,
                     LaunchConfig {
-                        grid: (n.div_ceil(32) as u32, 1),
+                        grid,
                         block: (32, 8),
                         shared_bytes: 0,
                     },
-                    stream,
-                    KernelArgs::Finalize {
-                        partial: scratch,
-                        blocks,
-                        n: n as i32,
-                        dw: dwp + w_off,
-                    },
-                )?;
-            }
+                )?
+                .ptr("partial", scratch)
+                .i32("blocks", blocks)
+                .i32("n", n as i32)
+                .ptr("dw", dwp)
+                .enqueue(stream)?;
         }
         Ok(())
     }

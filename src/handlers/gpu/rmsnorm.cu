@@ -1,4 +1,9 @@
-// RMS norm kernels for NVIDIA GPUs, compiled at run time by NVRTC (see gpu/compile.rs).
+// RMS norm kernels for NVIDIA GPUs, compiled at run time by NVRTC (see kernels.rs).
+//
+// The same file also compiles as host C++ for the CPU emulator of the tests
+// (tests/cuda_emulator): the three places that NVRTC alone can take (the dynamic shared memory
+// declaration and the two inline-PTX half conversions) sit behind `__CUDACC_RTC__`, which
+// NVRTC defines, with host equivalents from the emulator's shim otherwise.
 //
 // Deliberately header-free: bfloat16 and float16 are carried as raw 16-bit patterns and
 // converted with bit arithmetic / PTX `cvt`, so NVRTC needs no CUDA include directory at run
@@ -14,10 +19,15 @@
 //   path that re-reads them (from L2, in practice).
 // - Every loop over rows runs the same number of iterations in every thread of a block (teams
 //   without a row compute nothing but still reach each __syncthreads).
-// - Backward: each block owns a contiguous chunk of rows and accumulates the weight gradient of
-//   those rows in registers; at the end the teams of the block add their accumulators in team
-//   order through shared memory and the block writes one partial row. A finalize kernel adds the
-//   partial rows in block order: the weight gradient is bitwise reproducible for a launch shape.
+// - Backward: each block owns a contiguous chunk of rows of one weight group and accumulates the
+//   weight gradient of those rows in registers; at the end the teams of the block add their
+//   accumulators in team order through shared memory and the block writes one partial row. A
+//   finalize kernel adds each group's partial rows in block order: the weight gradient is
+//   bitwise reproducible for a launch shape.
+// - Batched (vmapped) weights: rows come in `groups` consecutive groups of `rows_per_group`, each
+//   with its own weight row (and weight-gradient row). One launch covers every group: the
+//   forward picks the weight row from the row index, the backward gives each group
+//   `blocks_per_group` blocks, and the finalize one grid column block per group and 32 columns.
 
 typedef unsigned short u16;
 typedef long long i64;
@@ -57,13 +67,21 @@ template <> struct Elem<bf16_t> {
 template <> struct Elem<f16_t> {
   typedef float Acc;
   static __device__ __forceinline__ float load(f16_t v) {
+#if defined(__CUDACC_RTC__)
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
+#else
+    return emu_half_to_float(v.bits);  // host emulator (tests only): not the PTX instruction
+#endif
   }
   static __device__ __forceinline__ f16_t store(float a) {
     f16_t r;
+#if defined(__CUDACC_RTC__)
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(a));
+#else
+    r.bits = emu_float_to_half_rn(a);  // host emulator (tests only): not the PTX instruction
+#endif
     return r;
   }
 };
@@ -223,17 +241,24 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const 
 
 // ------------------------------------------------------------------------------------------
 // Backward: g = dy * w; dx = rstd * g - x * rstd^3 / n * sum(g * x); dw += dy * x * rstd.
-// Block b owns rows [b * chunk, (b + 1) * chunk) and writes partial[b * n ...] (when w).
+// Block b serves group g = b / blocks_per_group: rows [g * rows_per_group + (b % blocks_per_group)
+// * chunk, ...) up to chunk rows within the group, with the weight row w + g * n, and writes
+// partial[b * n ...] (when w).
 // ------------------------------------------------------------------------------------------
 template <typename T, typename W, int VEC, int VPT>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
                                                  const typename Elem<T>::Acc* __restrict__ rstd,
                                                  const T* __restrict__ dy, T* __restrict__ dx,
                                                  typename Elem<T>::Acc* __restrict__ partial,
-                                                 i64 rows, int n, int team, i64 chunk) {
+                                                 int n, int team, i64 chunk, i64 rows_per_group,
+                                                 i64 blocks_per_group) {
   typedef typename Elem<T>::Acc A;
   __shared__ A red[32];
+#if defined(__CUDACC_RTC__)
   extern __shared__ unsigned char smem_raw[];
+#else
+  unsigned char* smem_raw = emu_dynamic_shared();  // host emulator (tests only)
+#endif
   A* smem = reinterpret_cast<A*>(smem_raw);
   const int teams = blockDim.x / team;
   const int team_id = threadIdx.x / team;
@@ -241,8 +266,11 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   const int nv = n / VEC;
   const bool cached = nv <= team * VPT;
   const A inv_n = A(1) / A(n);
-  const i64 first = (i64)blockIdx.x * chunk;
-  const i64 last = min(rows, first + chunk);
+  const i64 group = (i64)blockIdx.x / blocks_per_group;
+  const i64 group_first = group * rows_per_group;
+  const i64 first = group_first + ((i64)blockIdx.x % blocks_per_group) * chunk;
+  const i64 last = min(group_first + rows_per_group, first + chunk);
+  const W* wg = w ? w + group * n : nullptr;
   A* prow = partial ? partial + (i64)blockIdx.x * n : nullptr;
   A acc[VPT][VEC];
 #pragma unroll
@@ -276,8 +304,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
         if (valid && v < nv) {
-          if (w) {
-            const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+          if (wg) {
+            const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
               dot += Elem<T>::load(gc[k].e[e]) * A(Elem<W>::load(wp.e[e])) *
@@ -293,8 +321,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       for (int v = lane; v < nv; v += team) {
         const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
         const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
-        if (w) {
-          const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+        if (wg) {
+          const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
             dot += Elem<T>::load(gp.e[e]) * A(Elem<W>::load(wp.e[e])) * Elem<T>::load(xp.e[e]);
@@ -313,8 +341,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
         const int v = lane + k * team;
         if (v < nv) {
           Pack<T, VEC> out;
-          if (w) {
-            const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+          if (wg) {
+            const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               const A xa = Elem<T>::load(xc[k].e[e]);
@@ -336,8 +364,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
         const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
         const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
         Pack<T, VEC> out;
-        if (w) {
-          const Pack<W, VEC> wp = load_pack<W, VEC>(w, v);
+        if (wg) {
+          const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const A xa = Elem<T>::load(xp.e[e]);
@@ -382,13 +410,19 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = smem[c];
 }
 
-// dw[c] = sum over b in 0..blocks, in order, of partial[b * n + c]. Block (32, 8): lane x owns
-// a column, lane y the partial rows b = y, y + 8, ...; then the 8 sums are added in y order.
+// dw[g * n + c] = sum over b in 0..blocks (blocks per group), in order, of partial[(g * blocks +
+// b) * n + c]. Grid: ceil(n / 32) blocks per group g, groups one after the other. Block (32, 8):
+// lane x owns a column, lane y the partial rows b = y, y + 8, ...; then the 8 sums are added in
+// y order.
 template <typename A, typename W>
 __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const A* __restrict__ partial, int blocks,
                                                           int n, W* __restrict__ dw) {
   __shared__ A sums[8][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int column_blocks = (n + 31) / 32;
+  const i64 group = (i64)blockIdx.x / column_blocks;
+  const int c = (int)((i64)blockIdx.x % column_blocks) * 32 + threadIdx.x;
+  partial += group * blocks * (i64)n;
+  dw += group * n;
   A s = A(0);
   if (c < n)
     for (int b = threadIdx.y; b < blocks; b += 8) s += partial[(i64)b * n + c];
@@ -421,8 +455,10 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const A* __restrict__ 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
       const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, T* dx,                  \
-      Elem<T>::Acc* partial, i64 rows, int n, int team, i64 chunk) {                          \
-    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dx, partial, rows, n, team, chunk);     \
+      Elem<T>::Acc* partial, int n, int team, i64 chunk, i64 rows_per_group,                 \
+      i64 blocks_per_group) {                                                                \
+    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dx, partial, n, team, chunk,            \
+                                     rows_per_group, blocks_per_group);                      \
   }
 
 #define STAMP(XN, T, WN, W)                                                                   \

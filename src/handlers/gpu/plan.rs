@@ -1,0 +1,226 @@
+//! Launch plans of the RMS norm kernels: grid, block, team and shared memory for a call's
+//! shape, and the weight-gradient scratch those launches use. Plain arithmetic, tested on the
+//! CPU; the emulated matrix (tests/gpu_emulated.rs) runs every plan on the kernels.
+
+use super::kernels::{size_of, Direction};
+use crate::ffi::DataType;
+use crate::handlers::operands::acc_dtype;
+
+/// Elements per vector access: 16 bytes, or 1 on the scalar path.
+pub fn vec_width(x: DataType, vectorized: bool) -> usize {
+    if vectorized {
+        16 / size_of(x)
+    } else {
+        1
+    }
+}
+
+/// Vectors each thread caches (the VPT stamped in rmsnorm.cu).
+pub fn vectors_per_thread(dir: Direction, x: DataType, vectorized: bool) -> usize {
+    match (dir, vectorized, size_of(x)) {
+        (Direction::Backward, true, 4) => 8,
+        _ => 4,
+    }
+}
+
+/// Threads per block of the backward kernel (its `__launch_bounds__(512, 1)`).
+pub const BACKWARD_BLOCK: u32 = 512;
+
+/// Largest weight-gradient scratch per device and call site.
+pub const SCRATCH_LIMIT_BYTES: usize = 256 << 20;
+
+/// The shape of one forward or backward launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: u32,
+    pub block: u32,
+    /// Threads per row (a power of two, 32..=block).
+    pub team: u32,
+    pub shared_bytes: u32,
+    /// Rows per block (backward).
+    pub chunk: i64,
+    /// Blocks per weight group (backward): `grid = groups * blocks_per_group`.
+    pub blocks_per_group: u32,
+}
+
+/// Threads per row: enough for each thread to cache at most `vpt` vectors, 32..=`max`.
+fn team_size(n: usize, vec: usize, vpt: usize, max: usize) -> usize {
+    let nv = n / vec;
+    nv.div_ceil(vpt).next_power_of_two().clamp(32, max)
+}
+
+/// Forward: short rows get several rows per block (teams of >= 32 threads), long rows a block
+/// of up to 1024 threads; one row per team, no grid-stride needed below 2^31 blocks. Batched
+/// weights need nothing more: the kernel picks a row's weight row from its index.
+pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> Launch {
+    let vec = vec_width(x, vectorized);
+    let team = team_size(
+        n,
+        vec,
+        vectors_per_thread(Direction::Forward, x, vectorized),
+        1024,
+    );
+    let block = team.max(256);
+    let teams = block / team;
+    let grid = rows.div_ceil(teams).clamp(1, i32::MAX as usize);
+    Launch {
+        grid: grid as u32,
+        block: block as u32,
+        team: team as u32,
+        shared_bytes: 0,
+        chunk: 0,
+        blocks_per_group: 0,
+    }
+}
+
+/// Backward: blocks of 512 threads, each owning a contiguous chunk of one weight group's rows
+/// and (with a weight) one partial weight-gradient row. One launch for all `groups`: every
+/// group gets the same number of blocks, about `sm_count` in all (resident blocks: one per SM
+/// by the launch bounds), at least one per group, within [`SCRATCH_LIMIT_BYTES`] of partials.
+pub fn backward_launch(
+    x: DataType,
+    n: usize,
+    groups: usize,
+    rows_per_group: usize,
+    vectorized: bool,
+    sm_count: usize,
+    has_weight: bool,
+) -> Launch {
+    let vec = vec_width(x, vectorized);
+    let block = BACKWARD_BLOCK as usize;
+    let vpt = vectors_per_thread(Direction::Backward, x, vectorized);
+    let team = team_size(n, vec, vpt, block);
+    let teams = block / team;
+    let cached = n / vec <= team * vpt;
+    let acc = size_of(acc_dtype(x));
+    let shared = if teams > 1 && cached { n * acc } else { 0 };
+    let groups = groups.max(1);
+    let wanted = rows_per_group.div_ceil(teams).max(1);
+    let mut per_group = sm_count.max(1).div_ceil(groups);
+    if has_weight {
+        let rows_in_limit = SCRATCH_LIMIT_BYTES / (n.max(1) * acc);
+        per_group = per_group.min(rows_in_limit / groups).max(1);
+    }
+    let per_group = wanted.min(per_group);
+    let chunk = rows_per_group.div_ceil(per_group).max(1);
+    let per_group = rows_per_group.div_ceil(chunk).max(1);
+    Launch {
+        grid: (groups * per_group).min(i32::MAX as usize) as u32,
+        block: block as u32,
+        team: team as u32,
+        shared_bytes: shared as u32,
+        chunk: chunk as i64,
+        blocks_per_group: per_group as u32,
+    }
+}
+
+/// Bytes of weight-gradient partials the backward launches of a call site use: one row of `n`
+/// accumulators per block, for whichever of the vector and scalar plans has more blocks (the
+/// choice depends on buffer alignment, which can change from call to call). None without a
+/// weight, or with nothing to reduce.
+pub fn backward_scratch_bytes(
+    x: DataType,
+    n: usize,
+    groups: usize,
+    rows_per_group: usize,
+    sm_count: usize,
+    has_weight: bool,
+) -> usize {
+    if !has_weight || n == 0 || groups == 0 || rows_per_group == 0 {
+        return 0;
+    }
+    let blocks = [true, false]
+        .into_iter()
+        .filter(|&v| !v || n.is_multiple_of(vec_width(x, true)))
+        .map(|v| backward_launch(x, n, groups, rows_per_group, v, sm_count, true).grid as usize)
+        .max()
+        .unwrap_or(0);
+    blocks * n * size_of(acc_dtype(x))
+}
+
+/// Whether every pointer is 16-byte aligned and rows are whole vectors (the `_v` kernels).
+pub fn can_vectorize(x: DataType, n: usize, pointers: &[u64]) -> bool {
+    n.is_multiple_of(16 / size_of(x)) && pointers.iter().all(|p| p.is_multiple_of(16))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_shapes() {
+        // Short rows: several rows per block.
+        let l = forward_launch(DataType::BF16, 1024, 4096, true);
+        assert_eq!((l.team, l.block), (32, 256));
+        assert_eq!(l.grid, 4096 / 8);
+        // Long rows: one row per block, every vector cached (nv <= team * 4).
+        let l = forward_launch(DataType::F32, 16384, 10, true);
+        assert_eq!((l.team, l.block, l.grid), (1024, 1024, 10));
+        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true);
+        // 32 rows per block: 128 blocks (no block left without rows).
+        assert_eq!(
+            (l.team, l.block, l.grid, l.shared_bytes),
+            (512, 512, 128, 0)
+        );
+        assert!(l.chunk * l.grid as i64 >= 4096);
+        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 264, true);
+        assert_eq!(l.team, 32);
+        assert_eq!(l.shared_bytes, 1024 * 4);
+        assert_eq!(l.grid, 1);
+        // No empty blocks.
+        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true);
+        assert!((l.grid as i64 - 1) * l.chunk < 100);
+        assert_eq!(
+            backward_launch(DataType::F32, 8, 1, 0, false, 64, true).grid,
+            1
+        );
+    }
+
+    #[test]
+    fn batched_weights_take_one_launch_with_whole_groups_per_block() {
+        // 4 groups on 132 SMs: 33 blocks per group, chunks never straddle a group.
+        let l = backward_launch(DataType::BF16, 4096, 4, 1024, true, 132, true);
+        assert_eq!(l.grid, 4 * l.blocks_per_group);
+        assert!(l.chunk * l.blocks_per_group as i64 >= 1024);
+        assert!((l.blocks_per_group as i64 - 1) * l.chunk < 1024);
+        // More groups than SMs: one block per group.
+        let l = backward_launch(DataType::F32, 64, 500, 3, false, 132, true);
+        assert_eq!((l.grid, l.blocks_per_group, l.chunk), (500, 1, 3));
+    }
+
+    #[test]
+    fn scratch_is_what_the_launches_use() {
+        // 4096 rows of 16384 bf16 on 132 SMs: 128 blocks of 32 rows, float32 partials.
+        assert_eq!(
+            backward_scratch_bytes(DataType::BF16, 16384, 1, 4096, 132, true),
+            128 * 16384 * 4
+        );
+        // A few rows: one block per team of rows, not one per SM; the scalar plan (teams of
+        // 256, two rows per block: 3 blocks) uses more than the vector plan (1 block).
+        assert_eq!(
+            backward_scratch_bytes(DataType::F32, 1024, 1, 5, 132, true),
+            3 * 1024 * 4
+        );
+        // float64 partials are 8 bytes; no weight, no scratch.
+        assert_eq!(
+            backward_scratch_bytes(DataType::F64, 4096, 1, 8, 132, true),
+            8 * 4096 * 8
+        );
+        assert_eq!(
+            backward_scratch_bytes(DataType::F32, 4096, 1, 4096, 132, false),
+            0
+        );
+        // Huge rows stay within the limit.
+        assert!(
+            backward_scratch_bytes(DataType::F32, 1 << 26, 1, 64, 132, true)
+                <= SCRATCH_LIMIT_BYTES.max((1 << 26) * 4)
+        );
+    }
+
+    #[test]
+    fn vectorization() {
+        assert!(can_vectorize(DataType::BF16, 4096, &[256, 512]));
+        assert!(!can_vectorize(DataType::BF16, 4100, &[256]));
+        assert!(!can_vectorize(DataType::F32, 4096, &[8]));
+    }
+}

@@ -1,0 +1,133 @@
+//! What the GPU bundles hold on a device, and where it is shared.
+//!
+//! - The **module** (the compiled kernels loaded into a device's primary context, ~640 KB) is
+//!   loaded once per CUDA device per process and shared by every state of every call site: it
+//!   is the same code for all of them. It stays loaded for the life of the process.
+//! - The **scratch** (the backward's weight-gradient partials) belongs to one state on one
+//!   device: two executables may run on different streams of a device at once, so states must
+//!   not share it. It is sized to what the call site's launches use, and its address stays
+//!   fixed for the life of the state (CUDA graphs that captured a launch keep using it).
+//!
+//! Devices are keyed by the CUDA device of the call's stream (`cuStreamGetCtx` +
+//! `cuCtxGetDevice`), not by XLA's device ordinal, which need not be CUDA's.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use once_cell::sync::{Lazy, OnceCell};
+
+use super::driver::{self, CaptureStatus, DeviceAllocation, Module, StreamDevice};
+use super::kernels;
+use crate::ffi::{FfiError, FfiResult, Stage, Stream};
+use crate::state::LiveState;
+
+type Cell<T> = Arc<OnceCell<T>>;
+
+static MODULES: Lazy<DashMap<i32, Cell<Arc<Module>>>> = Lazy::new(DashMap::new);
+static MODULES_LOADED: AtomicUsize = AtomicUsize::new(0);
+
+/// Modules loaded in this process (one per CUDA device used).
+pub fn modules_loaded() -> usize {
+    MODULES_LOADED.load(Ordering::Relaxed)
+}
+
+/// The kernels loaded on CUDA device `device`: loaded on first use (concurrent callers wait for
+/// the first), then shared.
+pub fn module_for(device: i32) -> FfiResult<Arc<Module>> {
+    let cell = MODULES.entry(device).or_default().clone();
+    let module = cell.get_or_try_init(|| -> FfiResult<Arc<Module>> {
+        let cuda = driver::cuda()?;
+        let compiled = kernels::compiled_for(cuda.capability(device)?)?;
+        let module = Module::load(device, &compiled.image(), &kernels::KERNELS)?;
+        MODULES_LOADED.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(module))
+    })?;
+    Ok(Arc::clone(module))
+}
+
+/// One state's resources on one device.
+pub struct DeviceSlot {
+    pub module: Arc<Module>,
+    pub scratch: Option<DeviceAllocation>,
+    pub sm_count: usize,
+}
+
+impl DeviceSlot {
+    /// The scratch's address and size (0, 0 without).
+    pub fn scratch(&self) -> (u64, usize) {
+        self.scratch
+            .as_ref()
+            .map_or((0, 0), |s| (s.addr(), s.bytes()))
+    }
+}
+
+/// One state's resources, per CUDA device.
+#[derive(Default)]
+pub struct DeviceSlots {
+    by_device: DashMap<i32, Cell<DeviceSlot>>,
+}
+
+impl DeviceSlots {
+    /// The resources for the call's `stream` on `device`, acquired now if this is the first
+    /// call there (`stage` says which stage did, for `stats()`): the shared module and
+    /// `scratch_bytes(sm_count)` (0: none) of scratch.
+    ///
+    /// Acquiring is not legal while the stream is being captured into a CUDA graph (XLA runs
+    /// initialize before it records, so this only happens if it did not): then this fails with
+    /// a clear error before any driver call that would invalidate the capture.
+    pub fn get_or_acquire(
+        &self,
+        live: &LiveState,
+        stream: Stream,
+        device: &StreamDevice,
+        stage: Stage,
+        scratch_bytes: impl FnOnce(usize) -> usize,
+    ) -> FfiResult<Cell<DeviceSlot>> {
+        let cell = match self.by_device.get(&device.device) {
+            Some(c) => c.clone(),
+            None => self.by_device.entry(device.device).or_default().clone(),
+        };
+        if cell.get().is_none() {
+            let cuda = driver::cuda()?;
+            if cuda.capture_status(stream)? != CaptureStatus::None {
+                return Err(FfiError::failed_precondition(format!(
+                    "rmsnorm_ffi: `{}` was asked to run on CUDA device {} while its stream is \
+                     being captured into a CUDA graph, but its GPU resources were never loaded \
+                     there (XLA did not run the initialize stage first). Loading them now would \
+                     invalidate the capture; run the executable once without command buffers, \
+                     or use an XLA that runs initialize before recording.",
+                    live.target(),
+                    device.device
+                )));
+            }
+        }
+        cell.get_or_try_init(|| -> FfiResult<DeviceSlot> {
+            let module = module_for(device.device)?;
+            let sm_count = driver::cuda()?.sm_count(device.device)?.max(1) as usize;
+            let scratch_bytes = scratch_bytes(sm_count);
+            let scratch = if scratch_bytes > 0 {
+                Some(DeviceAllocation::new(&module, scratch_bytes)?)
+            } else {
+                None
+            };
+            live.set_detail(
+                format!("cuda device {}", device.device),
+                format!("resources loaded in {stage}, {scratch_bytes} scratch bytes"),
+            );
+            Ok(DeviceSlot {
+                module,
+                scratch,
+                sm_count,
+            })
+        })?;
+        if !cell.get().is_some_and(|slot| slot.module.serves(device)) {
+            return Err(FfiError::failed_precondition(format!(
+                "rmsnorm_ffi: the stream of this call belongs to a context other than CUDA device \
+                 {}'s primary context, where the kernels are loaded",
+                device.device
+            )));
+        }
+        Ok(cell)
+    }
+}

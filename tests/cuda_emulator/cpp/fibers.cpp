@@ -1,0 +1,511 @@
+// The block scheduler: one fiber (ucontext) per CUDA thread, the fibers of a block run one at a
+// time on the calling OS thread and switch only where CUDA threads synchronize (__syncthreads,
+// warp shuffles). Runnable fibers are queued in an order shuffled by the launch's seed, so code
+// that needs a barrier it lacks reads stale or poisoned data and gives wrong results; blocks
+// run one after the other in a shuffled order, so a dependence on block order fails too.
+//
+// Switching: makecontext/swapcontext start a fiber; later switches use _setjmp/_longjmp, which
+// do not save the signal mask (swapcontext makes a system call for it, most of the cost), except
+// under the sanitizers, whose fiber support expects swapcontext.
+//
+// Sanitizers: under AddressSanitizer the stack switches are announced
+// (__sanitizer_start/finish_switch_fiber). Under ThreadSanitizer every CUDA thread is a TSan
+// fiber, switches carry no synchronization, and a barrier is a release by every arriving thread
+// and an acquire by every leaving one: accesses of two CUDA threads not ordered by a barrier
+// are reported as data races, whichever order the scheduler happened to pick.
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <setjmp.h>
+#include <ucontext.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "cuda_shim.h"
+#include "emulator.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define EMU_TSAN 1
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+}
+#endif
+
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+
+namespace emu {
+
+thread_local std::atomic<const dim3*> t_thread_idx;
+thread_local dim3 t_block_idx;
+thread_local dim3 t_block_dim;
+thread_local dim3 t_grid_dim;
+
+namespace {
+
+enum class State : int { Runnable, Barrier, Shuffle, Exited, Failed };
+
+struct Fiber {
+  ucontext_t context;
+  jmp_buf jump;
+  bool started = false;
+  dim3 tid;
+  int warp = 0;
+  int lane = 0;
+  // Written by the fiber, read by the scheduler (atomics, so that TSan sees no race in the
+  // emulator's own bookkeeping, only in the kernel's memory).
+  std::atomic<int> state{(int)State::Runnable};
+  std::atomic<int> line{0};
+  std::atomic<int> lane_mask{0};
+  std::atomic<uint64_t> bits{0};
+  std::atomic<uint64_t> result{0};
+  char* stack = nullptr;
+#if EMU_TSAN
+  void* tsan = nullptr;
+#endif
+#if EMU_ASAN
+  void* asan_fake_stack = nullptr;
+#endif
+};
+
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t below(uint64_t n) { return n ? next() % n : 0; }
+  template <typename T>
+  void shuffle(std::vector<T>& v) {
+    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
+  }
+};
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define EMU_UCONTEXT_ONLY 1
+constexpr size_t kStackBytes = 256 * 1024;
+#else
+constexpr size_t kStackBytes = 64 * 1024;
+#endif
+constexpr size_t kGuardBytes = 64;
+
+struct Run {
+  const Kernel* kernel = nullptr;
+  const unsigned char* params = nullptr;
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  jmp_buf scheduler_jump;
+  int threads = 0;
+  int live = 0;
+  int at_barrier = 0;
+  int barrier_line = 0;
+  std::vector<int> warp_arrivals, warp_line, warp_live;
+  std::vector<int> queue;
+  size_t head = 0;
+  Rng rng{0};
+  bool failed = false;
+  std::string error;
+  unsigned char* dynamic = nullptr;
+  size_t dynamic_bytes = 0;
+  std::atomic<int> current{-1};
+  int barrier_token = 0;  // TSan's synchronization object for the block barrier
+#if EMU_TSAN
+  void* tsan_scheduler = nullptr;
+#endif
+#if EMU_ASAN
+  void* asan_fake_stack = nullptr;
+  const void* scheduler_stack_bottom = nullptr;
+  size_t scheduler_stack_size = 0;
+#endif
+};
+
+thread_local Run* t_run = nullptr;
+
+std::string format(const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return buf;
+}
+
+std::string where(const Fiber& f) {
+  return format("block (%u,%u,%u) thread (%u,%u,%u)", t_block_idx.x, t_block_idx.y, t_block_idx.z,
+                f.tid.x, f.tid.y, f.tid.z);
+}
+
+void fail_run(Run& run, const std::string& message) {
+  if (!run.failed) {
+    run.failed = true;
+    run.error = message;
+  }
+}
+
+// From a fiber back to the scheduler; returns when the scheduler resumes this fiber.
+void to_scheduler(bool dying) {
+  Run& run = *t_run;
+  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+#if EMU_TSAN
+  // Synchronizing: the scheduler may read whatever the fiber wrote. The way back is not.
+  __tsan_switch_to_fiber(run.tsan_scheduler, 0);
+#endif
+#if EMU_ASAN
+  __sanitizer_start_switch_fiber(dying ? nullptr : &f.asan_fake_stack, run.scheduler_stack_bottom,
+                                 run.scheduler_stack_size);
+#else
+  (void)dying;
+#endif
+#if EMU_UCONTEXT_ONLY
+  swapcontext(&f.context, &run.scheduler);
+#else
+  if (!_setjmp(f.jump)) _longjmp(run.scheduler_jump, 1);
+#endif
+#if EMU_ASAN
+  __sanitizer_finish_switch_fiber(f.asan_fake_stack, nullptr, nullptr);
+#endif
+}
+
+void fiber_main() {
+  Run& run = *t_run;
+#if EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_bottom, &run.scheduler_stack_size);
+#endif
+  // The first switch into every fiber only starts it (see run_block): kernel code runs from
+  // the second one on.
+  to_scheduler(false);
+  run.kernel->invoke(run.params);
+  run.fibers[run.current.load(std::memory_order_relaxed)].state.store((int)State::Exited, std::memory_order_relaxed);
+  to_scheduler(true);
+  abort();  // never resumed
+}
+
+void enqueue_shuffled(Run& run, std::vector<int>& ids) {
+  run.rng.shuffle(ids);
+  for (int id : ids) {
+    run.fibers[id].state.store((int)State::Runnable, std::memory_order_relaxed);
+    run.queue.push_back(id);
+  }
+}
+
+void switch_to(Run& run, int id, bool synchronizing) {
+  Fiber& f = run.fibers[id];
+  run.current.store(id, std::memory_order_relaxed);
+  t_thread_idx.store(&f.tid, std::memory_order_relaxed);
+#if EMU_TSAN
+  __tsan_switch_to_fiber(f.tsan, synchronizing ? 0 : 1 /* __tsan_switch_to_fiber_no_sync */);
+#else
+  (void)synchronizing;
+#endif
+#if EMU_ASAN
+  __sanitizer_start_switch_fiber(&run.asan_fake_stack, f.stack, kStackBytes);
+#endif
+#if EMU_UCONTEXT_ONLY
+  swapcontext(&run.scheduler, &f.context);
+#else
+  if (!_setjmp(run.scheduler_jump)) {
+    if (f.started) {
+      _longjmp(f.jump, 1);
+    } else {
+      f.started = true;
+      ucontext_t unused;
+      swapcontext(&unused, &f.context);  // the fiber comes back through scheduler_jump
+    }
+  }
+#endif
+#if EMU_ASAN
+  __sanitizer_finish_switch_fiber(run.asan_fake_stack, nullptr, nullptr);
+#endif
+}
+
+// What the scheduler does when fiber `id` comes back.
+void arrived(Run& run, int id) {
+  Fiber& f = run.fibers[id];
+  const State st = (State)f.state.load(std::memory_order_relaxed);
+  const int line = f.line.load(std::memory_order_relaxed);
+  const int w = f.warp;
+  switch (st) {
+    case State::Runnable:
+      fail_run(run, where(f) + ": came back to the scheduler without a reason");
+      return;
+    case State::Failed:
+      return;  // fail() recorded the error
+    case State::Exited:
+      --run.live;
+      --run.warp_live[w];
+      if (run.at_barrier > 0)
+        fail_run(run, where(f) + format(": exited while %d threads of its block wait at "
+                                        "__syncthreads (line %d)",
+                                        run.at_barrier, run.barrier_line));
+      if (run.warp_arrivals[w] > 0)
+        fail_run(run, where(f) + format(": exited while %d lanes of its warp wait at a shuffle "
+                                        "(line %d)",
+                                        run.warp_arrivals[w], run.warp_line[w]));
+      return;
+    case State::Barrier: {
+      if (run.warp_arrivals[w] > 0)
+        fail_run(run, where(f) + format(": at __syncthreads (line %d) while lanes of its warp "
+                                        "wait at a shuffle (line %d)",
+                                        line, run.warp_line[w]));
+      if (run.at_barrier == 0) {
+        run.barrier_line = line;
+      } else if (line != run.barrier_line) {
+        fail_run(run, where(f) + format(": reached __syncthreads at line %d while other threads "
+                                        "of its block wait at the one at line %d",
+                                        line, run.barrier_line));
+        return;
+      }
+      if (++run.at_barrier == run.live) {
+        std::vector<int> waiting;
+        for (int i = 0; i < run.threads; ++i)
+          if ((State)run.fibers[i].state.load(std::memory_order_relaxed) == State::Barrier)
+            waiting.push_back(i);
+        run.at_barrier = 0;
+        ++run.barrier_token;
+        enqueue_shuffled(run, waiting);
+      }
+      return;
+    }
+    case State::Shuffle: {
+      if (run.at_barrier > 0) {
+        for (int i = w * 32; i < w * 32 + 32 && i < run.threads; ++i)
+          if ((State)run.fibers[i].state.load(std::memory_order_relaxed) == State::Barrier) {
+            fail_run(run, where(f) + format(": at a shuffle (line %d) while a lane of its warp "
+                                            "waits at __syncthreads (line %d)",
+                                            line, run.barrier_line));
+            return;
+          }
+      }
+      if (run.warp_arrivals[w] == 0) {
+        run.warp_line[w] = line;
+      } else if (line != run.warp_line[w]) {
+        fail_run(run, where(f) + format(": at the shuffle of line %d while lanes of its warp "
+                                        "wait at the one of line %d (divergent warp)",
+                                        line, run.warp_line[w]));
+        return;
+      }
+      if (++run.warp_arrivals[w] == run.warp_live[w]) {
+        if (run.warp_live[w] != 32) {
+          fail_run(run, where(f) + format(": a full-mask shuffle (line %d) in a warp with %d "
+                                          "live lanes",
+                                          line, run.warp_live[w]));
+          return;
+        }
+        std::vector<int> lanes;
+        for (int l = 0; l < 32; ++l) {
+          Fiber& g = run.fibers[w * 32 + l];
+          const int src = l ^ g.lane_mask.load(std::memory_order_relaxed);
+          const Fiber& from = run.fibers[w * 32 + (src < 32 ? src : l)];
+          g.result.store(from.bits.load(std::memory_order_relaxed), std::memory_order_relaxed);
+          lanes.push_back(w * 32 + l);
+        }
+        run.warp_arrivals[w] = 0;
+        enqueue_shuffled(run, lanes);
+      }
+      return;
+    }
+  }
+}
+
+std::string pending(const Run& run) {
+  std::string s = format("%d of %d threads live, %d at __syncthreads", run.live, run.threads,
+                         run.at_barrier);
+  for (size_t w = 0; w < run.warp_arrivals.size(); ++w)
+    if (run.warp_arrivals[w] > 0)
+      s += format("; warp %zu: %d lanes at the shuffle of line %d", w, run.warp_arrivals[w],
+                  run.warp_line[w]);
+  return s;
+}
+
+void poison_shared() {
+  char* start = __start_emu_shared;
+  char* stop = __stop_emu_shared;
+  if (start && stop && stop > start) memset(start, 0xff, (size_t)(stop - start));
+}
+
+// Runs block `bid` to completion (or to its first error).
+void run_block(Run& run, dim3 bid) {
+  t_block_idx = bid;
+  poison_shared();
+  memset(run.dynamic, 0xff, run.dynamic_bytes + kGuardBytes);
+  run.live = run.threads;
+  run.at_barrier = 0;
+  run.queue.clear();
+  run.head = 0;
+  for (size_t w = 0; w < run.warp_live.size(); ++w) {
+    run.warp_arrivals[w] = 0;
+    run.warp_live[w] = 0;
+  }
+  for (int i = 0; i < run.threads; ++i) {
+    Fiber& f = run.fibers[i];
+    ++run.warp_live[f.warp];
+    f.state.store((int)State::Runnable, std::memory_order_relaxed);
+    f.started = false;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack;
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_main, 0);
+#if EMU_TSAN
+    f.tsan = __tsan_create_fiber(0);
+#endif
+  }
+  // Start every fiber with a synchronizing switch (it sees the poisoned memory and the
+  // parameters); from here on switches do not synchronize.
+  for (int i = 0; i < run.threads; ++i) switch_to(run, i, true);
+  std::vector<int> all(run.threads);
+  for (int i = 0; i < run.threads; ++i) all[i] = i;
+  enqueue_shuffled(run, all);
+  while (!run.failed) {
+    if (run.head == run.queue.size()) {
+      if (run.live > 0) fail_run(run, "deadlock: " + pending(run));
+      break;
+    }
+    const int id = run.queue[run.head++];
+#if EMU_TSAN
+    const State before = (State)run.fibers[id].state.load(std::memory_order_relaxed);
+    (void)before;
+#endif
+    switch_to(run, id, false);
+    arrived(run, id);
+  }
+  for (size_t i = 0; i < run.dynamic_bytes + kGuardBytes; ++i)
+    if (i >= run.dynamic_bytes && run.dynamic[i] != 0xff) {
+      fail_run(run, format("block (%u,%u,%u) wrote past the end of its %zu bytes of dynamic shared "
+                           "memory (byte %zu)",
+                           bid.x, bid.y, bid.z, run.dynamic_bytes, i));
+      break;
+    }
+#if EMU_TSAN
+  for (int i = 0; i < run.threads; ++i) __tsan_destroy_fiber(run.fibers[i].tsan);
+#endif
+}
+
+uint64_t gcd(uint64_t a, uint64_t b) {
+  while (b) {
+    const uint64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+}  // namespace
+
+[[noreturn]] void fail(const char* what, int line) {
+  Run& run = *t_run;
+  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+  fail_run(run, where(f) + format(": %s (line %d)", what, line));
+  f.state.store((int)State::Failed, std::memory_order_relaxed);
+  for (;;) to_scheduler(true);
+}
+
+void sync_block(int line) {
+  Run& run = *t_run;
+  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+#if EMU_TSAN
+  __tsan_release(&run.barrier_token);
+#endif
+  f.line.store(line, std::memory_order_relaxed);
+  f.state.store((int)State::Barrier, std::memory_order_relaxed);
+  to_scheduler(false);
+#if EMU_TSAN
+  __tsan_acquire(&run.barrier_token);
+#endif
+}
+
+uint64_t exchange_xor(unsigned mask, uint64_t bits, int lane_mask, int line) {
+  if (mask != 0xffffffffu) fail("__shfl_xor_sync without the full mask", line);
+  Run& run = *t_run;
+  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+  f.bits.store(bits, std::memory_order_relaxed);
+  f.lane_mask.store(lane_mask, std::memory_order_relaxed);
+  f.line.store(line, std::memory_order_relaxed);
+  f.state.store((int)State::Shuffle, std::memory_order_relaxed);
+  to_scheduler(false);
+  return f.result.load(std::memory_order_relaxed);
+}
+
+unsigned char* dynamic_shared() { return t_run->dynamic; }
+
+}  // namespace emu
+
+extern "C" int emu_run_grid(const emu::Kernel* kernel, emu::Dim grid, emu::Dim block,
+                            unsigned dynamic_bytes, const unsigned char* params, uint64_t seed,
+                            char* message, size_t capacity) {
+  using namespace emu;
+  Run run;
+  run.kernel = kernel;
+  run.params = params;
+  run.rng.s = seed;
+  run.threads = (int)(block.x * block.y * block.z);
+  const int warps = (run.threads + 31) / 32;
+  run.warp_arrivals.assign(warps, 0);
+  run.warp_line.assign(warps, 0);
+  run.warp_live.assign(warps, 0);
+  run.fibers = std::vector<Fiber>(run.threads);
+  // Stacks are kept for the next launch on this OS thread (touching fresh ones page by page
+  // would cost more than the kernels).
+  struct Stacks {
+    std::vector<char*> v;
+    ~Stacks() {
+      for (char* s : v) free(s);
+    }
+  };
+  thread_local Stacks cache;
+  std::vector<char*>& stacks = cache.v;
+  while (stacks.size() < (size_t)run.threads) {
+    char* stack = (char*)malloc(kStackBytes);
+    if (!stack) abort();
+    stacks.push_back(stack);
+  }
+  for (int i = 0; i < run.threads; ++i) {
+    Fiber& f = run.fibers[i];
+    f.tid = dim3{(unsigned)i % block.x, (unsigned)i / block.x % block.y,
+                 (unsigned)i / (block.x * block.y)};
+    f.warp = i / 32;
+    f.lane = i % 32;
+    f.stack = stacks[i];
+  }
+  run.dynamic_bytes = dynamic_bytes;
+  std::vector<unsigned char> dynamic(dynamic_bytes + kGuardBytes);
+  run.dynamic = dynamic.data();
+  t_block_dim = dim3{block.x, block.y, block.z};
+  t_grid_dim = dim3{grid.x, grid.y, grid.z};
+  Run* outer = t_run;
+  t_run = &run;
+#if EMU_TSAN
+  run.tsan_scheduler = __tsan_get_current_fiber();
+#endif
+  // Blocks in the order i -> (a * i + b) mod total, a coprime to total: a permutation of any
+  // size without a table.
+  const uint64_t total = (uint64_t)grid.x * grid.y * grid.z;
+  uint64_t a = 1 + run.rng.below(total > 1 ? total - 1 : 1);
+  while (gcd(a, total) != 1) ++a;
+  const uint64_t b = run.rng.below(total);
+  for (uint64_t i = 0; i < total && !run.failed; ++i) {
+    const uint64_t k = (uint64_t)(((unsigned __int128)a * i + b) % total);
+    run_block(run, dim3{(unsigned)(k % grid.x), (unsigned)(k / grid.x % grid.y),
+                        (unsigned)(k / ((uint64_t)grid.x * grid.y))});
+  }
+  t_run = outer;
+  if (run.failed) {
+    snprintf(message, capacity, "%s", run.error.c_str());
+    return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,243 @@
+// A standalone run of the emulated kernels for the sanitizers (`make gpu-sanitize`): every
+// kernel family over shapes and over every team size the kernels accept (not only the ones
+// the Rust launch plan picks), with buffers of exactly the sizes a launch may touch (malloc, so
+// AddressSanitizer's redzones sit right behind them), each result checked against float64.
+//
+// Why not through the Rust bundles: ThreadSanitizer cannot see through an uninstrumented Rust
+// host, and a standalone program keeps the sanitizer build small. Under ThreadSanitizer the
+// scheduler reports accesses of two CUDA threads that no barrier orders (see fibers.cpp).
+//
+// Usage: harness [quick|one]   (quick: the subset run under ThreadSanitizer; one: a single
+// multi-warp forward and backward, for checking that a planted race is reported)
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <string>
+#include <vector>
+
+#include "emulator.h"
+
+namespace {
+
+enum Type { F32, F64, BF16, F16 };
+const char* kName[] = {"f32", "f64", "bf16", "f16"};
+size_t bytes_of(Type t) { return t == F64 ? 8 : t == F32 ? 4 : 2; }
+Type acc_of(Type t) { return t == F64 ? F64 : F32; }
+
+unsigned f2u(float f) {
+  unsigned u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+float u2f(unsigned u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+unsigned short to_bf16(float f) {
+  unsigned u = f2u(f);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+// Element i of a buffer of type t, as a double.
+double get(Type t, const void* p, size_t i) {
+  switch (t) {
+    case F32: return ((const float*)p)[i];
+    case F64: return ((const double*)p)[i];
+    case BF16: return u2f((unsigned)((const unsigned short*)p)[i] << 16);
+    default: return emu_f16_to_f32(((const unsigned short*)p)[i]);
+  }
+}
+void set(Type t, void* p, size_t i, double v) {
+  switch (t) {
+    case F32: ((float*)p)[i] = (float)v; break;
+    case F64: ((double*)p)[i] = v; break;
+    case BF16: ((unsigned short*)p)[i] = to_bf16((float)v); break;
+    default: ((unsigned short*)p)[i] = emu_f32_to_f16((float)v); break;
+  }
+}
+
+struct Buffer {
+  void* p = nullptr;
+  Buffer(size_t bytes) { p = malloc(bytes ? bytes : 1); memset(p, 0xff, bytes); }
+  ~Buffer() { free(p); }
+  Buffer(const Buffer&) = delete;
+  uint64_t addr() const { return (uint64_t)(uintptr_t)p; }
+};
+
+const emu::Kernel* find(const char* name) {
+  int count = 0;
+  const emu::Kernel* ks = emu_kernels(&count);
+  for (int i = 0; i < count; ++i)
+    if (!strcmp(ks[i].name, name)) return &ks[i];
+  fprintf(stderr, "no kernel %s\n", name);
+  exit(2);
+}
+
+// Packs `values` (the low bytes of each, as many as the parameter's size) as the kernel's
+// signature lays them out.
+std::vector<unsigned char> pack(const emu::Kernel* k, const std::vector<uint64_t>& values) {
+  if ((int)values.size() != k->param_count) {
+    fprintf(stderr, "%s takes %d parameters, got %zu\n", k->name, k->param_count, values.size());
+    exit(2);
+  }
+  std::vector<unsigned char> buf(k->param_bytes);
+  unsigned off = 0;
+  for (int i = 0; i < k->param_count; ++i) {
+    off = (off + k->params[i].align - 1) / k->params[i].align * k->params[i].align;
+    memcpy(buf.data() + off, &values[i], k->params[i].size);
+    off += k->params[i].size;
+  }
+  return buf;
+}
+
+uint64_t seed = 1;
+int failures = 0, launches = 0;
+
+void launch(const emu::Kernel* k, unsigned grid, emu::Dim block, unsigned smem,
+            const std::vector<uint64_t>& values) {
+  std::vector<unsigned char> params = pack(k, values);
+  char message[1024];
+  ++launches;
+  if (emu_run_grid(k, emu::Dim{grid, 1, 1}, block, smem, params.data(), seed++, message,
+                   sizeof message) != 0) {
+    fprintf(stderr, "EMULATOR ERROR in %s: %s\n", k->name, message);
+    ++failures;
+  }
+}
+
+double rnd(uint64_t& s) {
+  s = s * 6364136223846793005ull + 1442695040888963407ull;
+  return (double)(s >> 40) / (double)(1ull << 24) * 4.0 - 2.0;
+}
+
+void check(const char* what, const std::string& tag, Type t, const void* got,
+           const std::vector<double>& want, double tol) {
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = get(t, got, i);
+    if (!(fabs(g - want[i]) <= tol * (1.0 + fabs(want[i])))) {
+      fprintf(stderr, "MISMATCH %s %s [%zu]: got %g, want %g\n", what, tag.c_str(), i, g, want[i]);
+      ++failures;
+      return;
+    }
+  }
+}
+
+double tolerance(Type t) { return t == F64 ? 1e-12 : t == F32 ? 2e-5 : t == BF16 ? 3e-2 : 4e-3; }
+
+// One forward and one backward (+ finalize) of `groups` x `rows_per_group` rows of n.
+void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg, int n,
+              int fwd_team, int bwd_team, int max_blocks) {
+  const size_t rows = groups * rpg, count = rows * (size_t)n;
+  const Type at = acc_of(xt);
+  const int VEC = vec ? (int)(16 / bytes_of(xt)) : 1;
+  if (n % VEC) return;
+  char name[128];
+  std::string tag = std::string(kName[xt]) + " w=" + (weight ? kName[wt] : "none") +
+                    (vec ? " vec" : " scalar") + " groups=" + std::to_string(groups) +
+                    " rows=" + std::to_string(rpg) + " n=" + std::to_string(n) +
+                    " teams=" + std::to_string(fwd_team) + "/" + std::to_string(bwd_team);
+  Buffer x(count * bytes_of(xt)), dy(count * bytes_of(xt)), y(count * bytes_of(xt)),
+      dx(count * bytes_of(xt)), rstd(rows * bytes_of(at)),
+      w(weight ? groups * n * bytes_of(wt) : 0), dw(weight ? groups * n * bytes_of(wt) : 0);
+  uint64_t s = seed * 7919;
+  for (size_t i = 0; i < count; ++i) set(xt, x.p, i, rnd(s)), set(xt, dy.p, i, rnd(s));
+  if (weight)
+    for (size_t i = 0; i < groups * n; ++i) set(wt, w.p, i, 1.0 + 0.25 * rnd(s));
+  // float64 reference from the rounded inputs.
+  std::vector<double> ry(count), rr(rows), rdx(count), rdw(weight ? groups * n : 0, 0.0);
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t g = r / rpg;
+    double ss = 0;
+    for (int j = 0; j < n; ++j) ss += get(xt, x.p, r * n + j) * get(xt, x.p, r * n + j);
+    const double rs = 1.0 / sqrt(ss / n + (double)1e-5f);  // eps travels as a float32
+    rr[r] = rs;
+    double dot = 0;
+    for (int j = 0; j < n; ++j) {
+      const double wj = weight ? get(wt, w.p, g * n + j) : 1.0;
+      dot += get(xt, dy.p, r * n + j) * wj * get(xt, x.p, r * n + j);
+    }
+    for (int j = 0; j < n; ++j) {
+      const double wj = weight ? get(wt, w.p, g * n + j) : 1.0;
+      const double xv = get(xt, x.p, r * n + j), gv = get(xt, dy.p, r * n + j);
+      ry[r * n + j] = xv * rs * wj;
+      rdx[r * n + j] = rs * gv * wj - xv * rs * rs * rs * dot / n;
+      if (weight) rdw[g * n + j] += gv * xv * rs;
+    }
+  }
+  const char* wn = weight ? kName[wt] : kName[xt];
+  const double tol = tolerance(xt);
+  // Forward: teams of fwd_team threads, blocks of max(team, 256).
+  const unsigned fblock = fwd_team > 256 ? fwd_team : 256;
+  const size_t fteams = fblock / fwd_team;
+  snprintf(name, sizeof name, "rmsnorm_fwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+  if (rows > 0) {
+    launch(find(name), (unsigned)((rows + fteams - 1) / fteams), emu::Dim{fblock, 1, 1}, 0,
+           {x.addr(), weight ? w.addr() : 0, y.addr(), rstd.addr(), rows, (uint64_t)n,
+            (uint64_t)fwd_team, f2u(1e-5f), rpg});
+    check("y", tag, xt, y.p, ry, tol);
+    check("rstd", tag, at, rstd.p, rr, tol);
+  }
+  // Backward: blocks of 512, bwd_team threads per row, up to max_blocks per group.
+  const int vpt = (vec && bytes_of(xt) == 4) ? 8 : 4;
+  const int teams = 512 / bwd_team;
+  const bool cached = n / VEC <= bwd_team * vpt;
+  if (!cached && bwd_team != 512) return;  // the streaming path takes one team per block
+  const unsigned smem = (teams > 1 && cached) ? n * (unsigned)bytes_of(at) : 0;
+  size_t bpg = rpg ? (rpg + teams - 1) / teams : 1;
+  if (bpg > (size_t)max_blocks) bpg = max_blocks;
+  const size_t chunk = rpg ? (rpg + bpg - 1) / bpg : 1;
+  bpg = rpg ? (rpg + chunk - 1) / chunk : 1;
+  Buffer partial(weight ? groups * bpg * n * bytes_of(at) : 0);
+  snprintf(name, sizeof name, "rmsnorm_bwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+  if (rows > 0) {
+    launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
+           {x.addr(), weight ? w.addr() : 0, rstd.addr(), dy.addr(), dx.addr(),
+            weight ? partial.addr() : 0, (uint64_t)n, (uint64_t)bwd_team, chunk, rpg, bpg});
+    check("dx", tag, xt, dx.p, rdx, tol * 4);
+  }
+  if (weight) {
+    snprintf(name, sizeof name, "rmsnorm_bwd_finalize_%s_w%s", kName[at], kName[wt]);
+    launch(find(name), (unsigned)(groups * ((n + 31) / 32)), emu::Dim{32, 8, 1}, 0,
+           {partial.addr(), rows ? bpg : 0, (uint64_t)n, dw.addr()});
+    const double dw_tol = tolerance(wt) > tolerance(xt) ? tolerance(wt) : tolerance(xt);
+    check("dw", tag, wt, dw.p, rdw, dw_tol * 4 * sqrt((double)rpg + 1));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && !strcmp(argv[1], "quick");
+  if (argc > 1 && !strcmp(argv[1], "one")) {
+    run_case(F32, F32, true, true, 1, 3, 2048, 512, 512, 2);
+    printf("harness: 1 case, %d launches, %d failures\n", launches, failures);
+    return failures ? 1 : 0;
+  }
+  const Type combos[][2] = {{F32, F32}, {F64, F64}, {F64, F32}, {BF16, BF16},
+                            {BF16, F32}, {F16, F16}, {F16, F32}};
+  struct Shape { size_t groups, rows; int n; };
+  const Shape full[] = {{1, 3, 8}, {1, 5, 1}, {1, 9, 67}, {1, 4, 512}, {3, 2, 64},
+                        {1, 2, 4096}, {1, 1, 20000}, {2, 0, 16}};
+  const Shape small[] = {{1, 9, 64}, {1, 2, 2048}, {2, 3, 256}};
+  const int teams[] = {32, 64, 512};
+  int cases = 0;
+  for (const auto& c : combos) {
+    if (quick && !((c[0] == F32 && c[1] == F32) || (c[0] == BF16 && c[1] == F32))) continue;
+    for (const Shape& s : (quick ? std::vector<Shape>(small, small + 3)
+                                 : std::vector<Shape>(full, full + 8)))
+      for (int weight = quick ? 1 : 0; weight < 2; ++weight)
+        for (int vec = 0; vec < 2; ++vec)
+          for (int team : teams) {
+            if (quick && (team == 64 || vec == 0)) continue;
+            run_case(c[0], c[1], weight, vec, s.groups, s.rows, s.n, team > 256 ? 1024 : team,
+                     team, quick ? 2 : 3);
+            ++cases;
+          }
+  }
+  printf("harness: %d cases, %d launches, %d failures\n", cases, launches, failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `make gpu-sanitize`: the emulated kernels under the sanitizers, in the standalone harness
+# (cpp/harness.cpp), built with the same shim, scheduler and kernel source as the tests.
+# - AddressSanitizer + UndefinedBehaviorSanitizer (aborting on the first report): the full sweep.
+# - ThreadSanitizer: the quick subset (TSan's cost grows with the fibers alive: a block of 512
+#   CUDA threads is 512 TSan fibers), then a self-check: with team_sum's first barrier removed,
+#   TSan must report a data race, so a clean run means something.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+src="$here/../../src/handlers/gpu/rmsnorm.cu"
+out="${1:-$here/../../target/gpu-sanitize}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # absolute: the compiler resolves quoted includes from the source
+CXX="${CXX:-g++}"
+cpp="$here/cpp"
+common=(-std=c++17 -g -fno-omit-frame-pointer -fno-strict-aliasing -Wno-unknown-pragmas -I"$cpp")
+
+# The kernel table, as build.rs makes it: every entry point with its launch bounds.
+"$CXX" -std=c++17 -x c++ -E -DEMU_EXPAND -include "$cpp/cuda_shim.h" "$src" \
+  | grep -o 'EMU_LAUNCH_BOUNDS([^)]*) *[A-Za-z0-9_]*' \
+  | sed -E 's/EMU_LAUNCH_BOUNDS\(([0-9]+)(, *([0-9]+))?\) *([A-Za-z0-9_]+)/EMU_KERNEL(\4, \1, 0\3)/' \
+  > "$out/kernel_table.inc"
+test -s "$out/kernel_table.inc"
+
+build() {  # name source flags...
+  local name=$1 source=$2
+  shift 2
+  "$CXX" "${common[@]}" "$@" -include "$cpp/cuda_shim.h" \
+    -DEMU_KERNEL_SOURCE="\"$source\"" -DEMU_KERNEL_TABLE="\"$out/kernel_table.inc\"" \
+    -c "$cpp/kernels.cpp" -o "$out/$name-kernels.o"
+  "$CXX" "${common[@]}" "$@" -c "$cpp/fibers.cpp" -o "$out/$name-fibers.o"
+  "$CXX" "${common[@]}" "$@" -c "$cpp/harness.cpp" -o "$out/$name-harness.o"
+  "$CXX" "$@" "$out/$name-kernels.o" "$out/$name-fibers.o" "$out/$name-harness.o" -o "$out/$name"
+}
+
+t0=$(date +%s)
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: the full sweep"
+build harness-asan "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/harness-asan"
+
+echo "== ThreadSanitizer: the quick subset"
+build harness-tsan "$src" -O1 -fsanitize=thread
+TSAN_OPTIONS=halt_on_error=1 "$out/harness-tsan" quick
+
+echo "== ThreadSanitizer self-check: a missing barrier must be reported"
+python3 - "$src" "$out/missing-barrier.cu" <<'PY'
+import sys
+s = open(sys.argv[1]).read()
+find = "    if ((threadIdx.x & 31) == 0) red[warp] = v;\n    __syncthreads();\n"
+assert s.count(find) == 1, "the self-check's pattern no longer matches rmsnorm.cu: update sanitize.sh"
+open(sys.argv[2], "w").write(s.replace(find, "    if ((threadIdx.x & 31) == 0) red[warp] = v;\n"))
+PY
+build harness-tsan-bug "$out/missing-barrier.cu" -O1 -fsanitize=thread
+if TSAN_OPTIONS=halt_on_error=1 "$out/harness-tsan-bug" one > "$out/tsan-bug.log" 2>&1; then
+  echo "ThreadSanitizer did not report the planted race" >&2
+  exit 1
+fi
+grep -q "WARNING: ThreadSanitizer: data race" "$out/tsan-bug.log" || {
+  cat "$out/tsan-bug.log" >&2
+  echo "the planted race failed the run, but not as a ThreadSanitizer report" >&2
+  exit 1
+}
+echo "reported: $(grep -m1 'SUMMARY: ThreadSanitizer' "$out/tsan-bug.log")"
+echo "gpu-sanitize: clean ($(( $(date +%s) - t0 )) s)"

@@ -1,0 +1,1142 @@
+//! The CUDA path on the CPU: the real GPU bundles (instantiate, initialize, execute, deleter)
+//! driven through `ffi::fake`, with the product's driver layer loading the fake libcuda of
+//! `tests/cuda_emulator` (through `RMSNORM_FFI_LIBCUDA`) and NVRTC from pip compiling the real
+//! kernels; the fake runs `rmsnorm.cu` compiled as host C++ on a CPU emulator.
+//!
+//! A test binary of its own: the driver handle is a process-wide once-cell read from the
+//! environment. Tests hold one lock (the fake's kernels and counters are process-wide).
+//!
+//! `RMSNORM_FFI_SITE_PACKAGES` (set by `make rust-test` and `make gpu-emulate`) names where
+//! pip put NVRTC; without it every test here says SKIPPED and returns. With it, any failure
+//! fails.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, Once};
+
+use half::{bf16, f16};
+use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use rmsnorm_ffi::ffi::{BundleDef, DataType, Stage};
+use rmsnorm_ffi::handlers::gpu::{self, kernels, resources};
+use rmsnorm_ffi::handlers::{cpu, operands::acc_dtype};
+use rmsnorm_ffi_cuda_emulator::{self as emu, Fake};
+
+// ---------------------------------------------------------------------------------------------
+// Set-up
+// ---------------------------------------------------------------------------------------------
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// The fake driver, installed for the product's library search; `None` (after saying SKIPPED)
+/// when NVRTC's location is not given.
+fn setup() -> Option<(&'static Fake, MutexGuard<'static, ()>)> {
+    static ONCE: Once = Once::new();
+    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if std::env::var_os("RMSNORM_FFI_SITE_PACKAGES").is_none() {
+        eprintln!("SKIPPED: RMSNORM_FFI_SITE_PACKAGES is not set (make gpu-emulate sets it)");
+        return None;
+    }
+    ONCE.call_once(|| {
+        if std::env::var_os("RMSNORM_FFI_LIBCUDA").is_none() {
+            // Before any driver use in this process (every test goes through here first).
+            std::env::set_var("RMSNORM_FFI_LIBCUDA", emu::fake_libcuda());
+        }
+        fake::register_bundle_types(&[
+            gpu::FORWARD_BUNDLE,
+            gpu::BACKWARD_BUNDLE,
+            cpu::FORWARD_BUNDLE,
+            cpu::BACKWARD_BUNDLE,
+        ]);
+    });
+    let path = PathBuf::from(std::env::var_os("RMSNORM_FFI_LIBCUDA").unwrap());
+    let fake = Fake::open(&path);
+    let driver = gpu::driver::cuda().expect("the product loads the fake libcuda");
+    assert_eq!(Path::new(driver.path()), path);
+    Some((fake, guard))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Values and references
+// ---------------------------------------------------------------------------------------------
+
+/// Deterministic values in [-2, 2).
+fn values(count: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..count)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f64 / (1u64 << 24) as f64) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// Rounds to `dt` and returns (bytes, rounded values).
+fn encode(dt: DataType, v: &[f64]) -> (Vec<u8>, Vec<f64>) {
+    let mut bytes = Vec::with_capacity(v.len() * 8);
+    let mut rounded = Vec::with_capacity(v.len());
+    for &x in v {
+        match dt {
+            DataType::F32 => {
+                bytes.extend_from_slice(&(x as f32).to_ne_bytes());
+                rounded.push(x as f32 as f64);
+            }
+            DataType::F64 => {
+                bytes.extend_from_slice(&x.to_ne_bytes());
+                rounded.push(x);
+            }
+            DataType::BF16 => {
+                let h = bf16::from_f64(x);
+                bytes.extend_from_slice(&h.to_bits().to_ne_bytes());
+                rounded.push(h.to_f64());
+            }
+            _ => {
+                let h = f16::from_f64(x);
+                bytes.extend_from_slice(&h.to_bits().to_ne_bytes());
+                rounded.push(h.to_f64());
+            }
+        }
+    }
+    (bytes, rounded)
+}
+
+fn decode(dt: DataType, bytes: &[u8]) -> Vec<f64> {
+    match dt {
+        DataType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DataType::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_ne_bytes(c.try_into().unwrap()))
+            .collect(),
+        DataType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_ne_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+    }
+}
+
+fn size_of(dt: DataType) -> usize {
+    kernels::size_of(dt)
+}
+
+/// float64 reference: y, rstd, dx, dw (per group).
+struct Reference {
+    y: Vec<f64>,
+    rstd: Vec<f64>,
+    dx: Vec<f64>,
+    dw: Vec<f64>,
+}
+
+fn reference(x: &[f64], w: Option<&[f64]>, dy: &[f64], groups: usize, n: usize) -> Reference {
+    let rows = x.len().checked_div(n).unwrap_or(0);
+    let per_group = rows.checked_div(groups.max(1)).unwrap_or(0);
+    let eps = 1e-5f32 as f64; // eps travels as a float32 attribute
+    let mut r = Reference {
+        y: vec![0.0; x.len()],
+        rstd: vec![0.0; rows],
+        dx: vec![0.0; x.len()],
+        dw: vec![0.0; groups * n],
+    };
+    for row in 0..rows {
+        let g = row.checked_div(per_group).unwrap_or(0);
+        let xs = &x[row * n..(row + 1) * n];
+        let wj = |j: usize| w.map_or(1.0, |w| w[g * n + j]);
+        let rs = 1.0 / (xs.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps).sqrt();
+        r.rstd[row] = rs;
+        let dot: f64 = (0..n).map(|j| dy[row * n + j] * wj(j) * xs[j]).sum();
+        for j in 0..n {
+            r.y[row * n + j] = xs[j] * rs * wj(j);
+            r.dx[row * n + j] = rs * dy[row * n + j] * wj(j) - xs[j] * rs.powi(3) * dot / n as f64;
+            r.dw[g * n + j] += dy[row * n + j] * xs[j] * rs;
+        }
+    }
+    r
+}
+
+/// Relative tolerance of results stored in `dt` for rows of `n` accumulated in `acc`.
+fn tolerance(dt: DataType, n: usize) -> f64 {
+    match dt {
+        DataType::F64 => 1e-12,
+        DataType::F32 if n >= 1 << 16 => 2e-4,
+        DataType::F32 => 2e-5,
+        DataType::BF16 => 1.6e-2,
+        _ => 2e-3,
+    }
+}
+
+fn compare(what: &str, got: &[f64], want: &[f64], tol: f64) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
+    }
+    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let close = (g - w).abs() <= tol * (w.abs() + scale); // false for NaN
+        if !close {
+            return Err(format!(
+                "MISMATCH {what}[{i}]: got {g}, want {w} (tol {tol:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// One case through the bundles
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+enum Weight {
+    None,
+    Same,
+    F32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    x: DataType,
+    w: Weight,
+    /// Weight groups (batched weight of shape (groups, n)), rows per group, row length.
+    groups: usize,
+    rows: usize,
+    n: usize,
+    /// Bytes past 16-byte alignment for every buffer (forces the scalar path).
+    misalign: usize,
+    /// The CUDA device of the stream (XLA's ordinal stays 0).
+    device: i32,
+    /// Whether XLA runs the initialize stage (else the first execute loads).
+    initialize: bool,
+}
+
+impl Case {
+    fn new(x: DataType, w: Weight, rows: usize, n: usize) -> Case {
+        Case {
+            x,
+            w,
+            groups: 1,
+            rows,
+            n,
+            misalign: 0,
+            device: 0,
+            initialize: true,
+        }
+    }
+    fn wd(&self) -> Option<DataType> {
+        match self.w {
+            Weight::None => None,
+            Weight::Same => Some(self.x),
+            Weight::F32 => Some(DataType::F32),
+        }
+    }
+    fn x_dims(&self) -> Vec<i64> {
+        if self.groups > 1 {
+            vec![self.groups as i64, self.rows as i64, self.n as i64]
+        } else {
+            vec![self.rows as i64, self.n as i64]
+        }
+    }
+    fn w_dims(&self) -> Vec<i64> {
+        if self.groups > 1 {
+            vec![self.groups as i64, self.n as i64]
+        } else {
+            vec![self.n as i64]
+        }
+    }
+}
+
+/// A device buffer holding `bytes` (or 0xff when `None`), misaligned as the case says.
+fn device(
+    fake: &'static Fake,
+    case: &Case,
+    bytes: usize,
+    data: Option<&[u8]>,
+) -> emu::DeviceBuffer {
+    let mut b = fake.buffer(bytes, case.misalign);
+    if let Some(d) = data {
+        b.write(d);
+    }
+    b
+}
+
+fn call(
+    ctx: &FakeContext,
+    def: &BundleDef,
+    stage: Stage,
+    frame: FrameBuilder,
+) -> Result<(), String> {
+    let handler = def.handler(stage).expect("stage defined");
+    frame
+        .build(ctx)
+        .call(handler)
+        .map_err(|(c, m)| format!("{stage}: {c:?}: {m}"))
+}
+
+fn gpu_context(fake: &Fake, case: &Case) -> FakeContext {
+    let mut ctx = FakeContext::new();
+    ctx.stream = Some(fake.stream(case.device));
+    ctx.device_ordinal = 0;
+    ctx
+}
+
+fn fwd_attrs(case: &Case) -> Vec<(&'static str, OwnedAttr)> {
+    vec![
+        ("eps", OwnedAttr::scalar(1e-5f32)),
+        ("has_weight", OwnedAttr::pred(case.wd().is_some())),
+        ("row_len", OwnedAttr::scalar(case.n as i64)),
+    ]
+}
+
+fn bwd_attrs(case: &Case) -> Vec<(&'static str, OwnedAttr)> {
+    vec![
+        ("has_weight", OwnedAttr::pred(case.wd().is_some())),
+        ("row_len", OwnedAttr::scalar(case.n as i64)),
+    ]
+}
+
+/// Runs one case: GPU forward and backward (twice) against float64 and against the CPU bundles;
+/// dweight bitwise equal run to run; every allocation of the state freed by its deleter.
+fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
+    let tag = format!("{case:?}");
+    let in_context = |e: String| format!("{tag}: {e}");
+    let (groups, n) = (case.groups, case.n);
+    let rows = groups * case.rows;
+    let count = rows * n;
+    let xd = case.x;
+    let ad = acc_dtype(xd);
+    let (x_bytes, x) = encode(xd, &values(count, 1 + n as u64));
+    let (dy_bytes, dy) = encode(xd, &values(count, 2 + rows as u64));
+    let w = case.wd().map(|wd| {
+        let v: Vec<f64> = values(groups * n, 3)
+            .iter()
+            .map(|v| 1.0 + v / 4.0)
+            .collect();
+        encode(wd, &v)
+    });
+    let r = reference(&x, w.as_ref().map(|w| w.1.as_slice()), &dy, groups, n);
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let tol = tolerance(xd, n);
+    let before = fake.counters();
+
+    // ---- forward
+    let xb = device(fake, case, x_bytes.len(), Some(&x_bytes));
+    let wb = w
+        .as_ref()
+        .map(|(b, _)| device(fake, case, b.len(), Some(b)));
+    let yb = device(fake, case, count * size_of(xd), None);
+    let rb = device(fake, case, rows * size_of(ad), None);
+    let fwd_frame = |stage: Stage| {
+        let mut f = FrameBuilder::new(stage).device_arg(xd, &xdims, xb.addr());
+        if let (Some(wb), Some(wd)) = (&wb, case.wd()) {
+            f = f.device_arg(wd, &wdims, wb.addr());
+        }
+        f.device_ret(xd, &xdims, yb.addr())
+            .device_ret(ad, rdims, rb.addr())
+    };
+    let (gy, grstd) = {
+        let ctx = gpu_context(fake, case);
+        fake::instantiate(&ctx, &gpu::FORWARD_BUNDLE, fwd_attrs(case))
+            .map_err(|(c, m)| in_context(format!("instantiate: {c:?}: {m}")))?;
+        if case.initialize {
+            let frame = fwd_frame(Stage::Initialize);
+            call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Initialize, frame).map_err(in_context)?;
+        }
+        let frame = fwd_frame(Stage::Execute);
+        call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Execute, frame).map_err(in_context)?;
+        (decode(xd, &yb.read()), decode(ad, &rb.read()))
+    };
+    if rows > 0 {
+        compare("y vs float64", &gy, &r.y, tol).map_err(in_context)?;
+        compare("rstd vs float64", &grstd, &r.rstd, tol).map_err(in_context)?;
+    }
+
+    // ---- the CPU bundles on the same inputs
+    let cpu = cpu_results(
+        case,
+        &x_bytes,
+        w.as_ref().map(|w| w.0.as_slice()),
+        &dy_bytes,
+    )
+    .map_err(in_context)?;
+    if rows > 0 {
+        compare("y vs the CPU bundle", &gy, &cpu.0, 2.0 * tol).map_err(in_context)?;
+    }
+
+    // ---- backward, twice
+    let dyb = device(fake, case, dy_bytes.len(), Some(&dy_bytes));
+    let dxb = device(fake, case, count * size_of(xd), None);
+    let dw_bytes = w.as_ref().map_or(0, |(b, _)| b.len());
+    let dwb: Vec<emu::DeviceBuffer> = (0..2)
+        .filter(|_| case.wd().is_some())
+        .map(|_| device(fake, case, dw_bytes, None))
+        .collect();
+    {
+        let ctx = gpu_context(fake, case);
+        fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(case))
+            .map_err(|(c, m)| in_context(format!("instantiate: {c:?}: {m}")))?;
+        let frame = |stage: Stage, run: usize| {
+            let mut f = FrameBuilder::new(stage).device_arg(xd, &xdims, xb.addr());
+            if let (Some(wb), Some(wd)) = (&wb, case.wd()) {
+                f = f.device_arg(wd, &wdims, wb.addr());
+            }
+            f = f
+                .device_arg(ad, rdims, rb.addr())
+                .device_arg(xd, &xdims, dyb.addr())
+                .device_ret(xd, &xdims, dxb.addr());
+            if let Some(wd) = case.wd() {
+                f = f.device_ret(wd, &wdims, dwb[run].addr());
+            }
+            f
+        };
+        if case.initialize {
+            call(
+                &ctx,
+                &gpu::BACKWARD_BUNDLE,
+                Stage::Initialize,
+                frame(Stage::Initialize, 0),
+            )
+            .map_err(in_context)?;
+        }
+        for run in 0..2 {
+            call(
+                &ctx,
+                &gpu::BACKWARD_BUNDLE,
+                Stage::Execute,
+                frame(Stage::Execute, run),
+            )
+            .map_err(in_context)?;
+        }
+        let want = if case.initialize {
+            "initialize"
+        } else {
+            "execute"
+        };
+        let detail = rmsnorm_ffi::state::snapshot()
+            .states
+            .iter()
+            .rev()
+            .find(|s| s.target == gpu::BACKWARD_TARGET)
+            .and_then(|s| {
+                s.details
+                    .get(&format!("cuda device {}", case.device))
+                    .cloned()
+            })
+            .unwrap_or_default();
+        if !detail.contains(&format!("loaded in {want}")) {
+            return Err(in_context(format!(
+                "stats detail `{detail}`, want loaded in {want}"
+            )));
+        }
+    }
+    let gdx = decode(xd, &dxb.read());
+    if rows > 0 {
+        compare("dx vs float64", &gdx, &r.dx, 4.0 * tol).map_err(in_context)?;
+        compare("dx vs the CPU bundle", &gdx, &cpu.1, 8.0 * tol).map_err(in_context)?;
+    }
+    if let Some(wd) = case.wd() {
+        let a = dwb[0].read();
+        let b = dwb[1].read();
+        if a != b {
+            return Err(in_context("dweight differs between two runs".into()));
+        }
+        let gdw = decode(wd, &a);
+        let wtol = tol.max(tolerance(wd, n)) * 4.0 * ((case.rows as f64) + 1.0).sqrt();
+        compare("dw vs float64", &gdw, &r.dw, wtol).map_err(in_context)?;
+        compare("dw vs the CPU bundle", &gdw, &cpu.2, 2.0 * wtol).map_err(in_context)?;
+    }
+    drop((xb, wb, yb, rb, dyb, dxb, dwb));
+    let after = fake.counters();
+    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
+        return Err(in_context(format!(
+            "the states' deleters left device memory behind: {before:?} -> {after:?}"
+        )));
+    }
+    if after.guard_failures != before.guard_failures {
+        return Err(in_context(format!(
+            "guard zones overwritten: {}",
+            fake.last_error()
+        )));
+    }
+    Ok(())
+}
+
+/// y, dx, dw.
+type Results = (Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// The CPU bundles' y, dx, dw on host copies of the same inputs (rstd from the CPU forward).
+fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Results, String> {
+    let xd = case.x;
+    let ad = acc_dtype(xd);
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let host = |dt: DataType, dims: &[i64], bytes: &[u8]| {
+        let mut b = OwnedBuffer::zeros(dt, dims);
+        let words: Vec<u64> = bytes
+            .chunks(8)
+            .map(|c| {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                u64::from_ne_bytes(w)
+            })
+            .collect();
+        b.data[..words.len()].copy_from_slice(&words);
+        b
+    };
+    let bytes_of = |b: &OwnedBuffer| -> Vec<u8> {
+        b.data
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .take(b.bytes)
+            .collect()
+    };
+    let ctx = FakeContext::new();
+    fake::instantiate(&ctx, &cpu::FORWARD_BUNDLE, fwd_attrs(case)).map_err(|e| e.1)?;
+    let mut f = FrameBuilder::new(Stage::Execute).arg(host(xd, &xdims, x));
+    if let (Some(w), Some(wd)) = (w, case.wd()) {
+        f = f.arg(host(wd, &wdims, w));
+    }
+    let mut f = f
+        .ret(OwnedBuffer::zeros(xd, &xdims))
+        .ret(OwnedBuffer::zeros(ad, rdims))
+        .build(&ctx);
+    f.call(cpu::FORWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .map_err(|e| format!("CPU forward: {}", e.1))?;
+    let y = decode(xd, &bytes_of(f.result(0)));
+    let rstd = bytes_of(f.result(1));
+    let ctx = FakeContext::new();
+    fake::instantiate(&ctx, &cpu::BACKWARD_BUNDLE, bwd_attrs(case)).map_err(|e| e.1)?;
+    let mut b = FrameBuilder::new(Stage::Execute).arg(host(xd, &xdims, x));
+    if let (Some(w), Some(wd)) = (w, case.wd()) {
+        b = b.arg(host(wd, &wdims, w));
+    }
+    b = b
+        .arg(host(ad, rdims, &rstd))
+        .arg(host(xd, &xdims, dy))
+        .ret(OwnedBuffer::zeros(xd, &xdims));
+    if let Some(wd) = case.wd() {
+        b = b.ret(OwnedBuffer::zeros(wd, &wdims));
+    }
+    let mut b = b.build(&ctx);
+    b.call(cpu::BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .map_err(|e| format!("CPU backward: {}", e.1))?;
+    let dx = decode(xd, &bytes_of(b.result(0)));
+    let dw = case
+        .wd()
+        .map_or_else(Vec::new, |wd| decode(wd, &bytes_of(b.result(1))));
+    Ok((y, dx, dw))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The matrix
+// ---------------------------------------------------------------------------------------------
+
+const PAIRS: [(DataType, Weight); 11] = [
+    (DataType::F32, Weight::None),
+    (DataType::F32, Weight::Same),
+    (DataType::F64, Weight::None),
+    (DataType::F64, Weight::Same),
+    (DataType::F64, Weight::F32),
+    (DataType::BF16, Weight::None),
+    (DataType::BF16, Weight::Same),
+    (DataType::BF16, Weight::F32),
+    (DataType::F16, Weight::None),
+    (DataType::F16, Weight::Same),
+    (DataType::F16, Weight::F32),
+];
+
+/// Every (x, weight) pair over: n = 1, odd n (scalar path), zero rows, several rows per block,
+/// several rows per team (each block accumulating many rows), one block per row, a batched
+/// weight; then the streaming path (rows up to 2^20), misaligned
+/// buffers (scalar path on even n), a stream on the second device, and XLA skipping initialize.
+fn matrix() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (x, w) in PAIRS {
+        for (rows, n) in [(3, 1), (5, 67), (0, 128), (37, 256), (150, 128), (3, 4096)] {
+            cases.push(Case::new(x, w, rows, n));
+        }
+        cases.push(Case {
+            groups: 3,
+            ..Case::new(x, w, 5, 64)
+        });
+    }
+    for (x, w, rows, n) in [
+        (DataType::F32, Weight::Same, 2, 1 << 20),
+        (DataType::BF16, Weight::F32, 1, 1 << 20),
+        (DataType::F16, Weight::Same, 2, 40000),
+        (DataType::F64, Weight::F32, 2, 20001),
+    ] {
+        cases.push(Case::new(x, w, rows, n));
+    }
+    for x in [DataType::BF16, DataType::F32] {
+        cases.push(Case {
+            misalign: size_of(x),
+            ..Case::new(x, Weight::Same, 9, 512)
+        });
+    }
+    cases.push(Case {
+        device: 1,
+        ..Case::new(DataType::BF16, Weight::Same, 17, 1024)
+    });
+    cases.push(Case {
+        initialize: false,
+        ..Case::new(DataType::F32, Weight::Same, 6, 2048)
+    });
+    cases.push(Case {
+        groups: 4,
+        ..Case::new(DataType::F32, Weight::Same, 40, 8192)
+    });
+    cases
+}
+
+/// The subset the planted bugs are checked against: every kernel family and path once.
+fn quick_matrix() -> Vec<Case> {
+    vec![
+        Case::new(DataType::F32, Weight::Same, 37, 256),
+        Case::new(DataType::F32, Weight::Same, 200, 256),
+        Case::new(DataType::F32, Weight::Same, 3, 4096),
+        Case::new(DataType::BF16, Weight::F32, 5, 67),
+        Case::new(DataType::F16, Weight::Same, 3, 2048),
+        Case::new(DataType::F64, Weight::Same, 9, 512),
+        Case::new(DataType::F32, Weight::Same, 2, 40000),
+        Case {
+            groups: 3,
+            ..Case::new(DataType::BF16, Weight::Same, 5, 64)
+        },
+    ]
+}
+
+fn run_all(fake: &'static Fake, cases: &[Case]) -> Vec<String> {
+    cases
+        .iter()
+        .filter_map(|c| run_case(fake, c).err())
+        .collect()
+}
+
+#[test]
+fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let cases = matrix();
+    let start = std::time::Instant::now();
+    let launches = fake.counters().launches;
+    let failures = run_all(fake, &cases);
+    println!(
+        "{} cases, {} launches, {:.1} s",
+        cases.len(),
+        fake.counters().launches - launches,
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // One module per device for every state of every call site.
+    let c = fake.counters();
+    assert_eq!(c.module_loads, 2, "{c:?}");
+    assert_eq!(resources::modules_loaded(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulator bites: planted bugs
+// ---------------------------------------------------------------------------------------------
+
+struct PlantedBug {
+    name: String,
+    why: String,
+    find: String,
+    replace: String,
+}
+
+/// Parses src/handlers/gpu/rmsnorm.bugs (format in its header).
+fn planted_bugs() -> Vec<PlantedBug> {
+    let text = include_str!("../src/handlers/gpu/rmsnorm.bugs");
+    let mut bugs = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some(name) = line.strip_prefix("=== ").filter(|n| *n != "end") else {
+            continue;
+        };
+        let mut bug = PlantedBug {
+            name: name.trim().to_string(),
+            why: String::new(),
+            find: String::new(),
+            replace: String::new(),
+        };
+        let mut section = "";
+        for line in lines.by_ref() {
+            match line {
+                "=== end" => break,
+                "--- find" => section = "find",
+                "--- replace" => section = "replace",
+                _ if section.is_empty() => {
+                    if let Some(why) = line.strip_prefix("why: ") {
+                        bug.why = why.to_string();
+                    }
+                }
+                _ => {
+                    let target = if section == "find" {
+                        &mut bug.find
+                    } else {
+                        &mut bug.replace
+                    };
+                    target.push_str(line);
+                    target.push('\n');
+                }
+            }
+        }
+        assert!(
+            !bug.find.is_empty() && !bug.why.is_empty(),
+            "planted bug `{}` lacks find or why",
+            bug.name
+        );
+        bugs.push(bug);
+    }
+    bugs
+}
+
+#[test]
+fn planted_bugs_make_the_matrix_fail() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let bugs = planted_bugs();
+    assert!(bugs.len() >= 9, "{} planted bugs", bugs.len());
+    // Every pattern must still match the kernels exactly once: fail loudly rather than skip.
+    for bug in &bugs {
+        let n = kernels::SOURCE.matches(bug.find.as_str()).count();
+        assert_eq!(
+            n, 1,
+            "planted bug `{}`: its `find` text occurs {n} times in rmsnorm.cu (must be once); \
+             the kernels changed: update src/handlers/gpu/rmsnorm.bugs to plant the same bug",
+            bug.name
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_planted_{}", std::process::id()));
+    // Build every variant (and a control from the unchanged source) two at a time.
+    let mut sources: Vec<(String, String)> = vec![("control".into(), kernels::SOURCE.into())];
+    for bug in &bugs {
+        sources.push((
+            bug.name.clone(),
+            kernels::SOURCE.replacen(&bug.find, &bug.replace, 1),
+        ));
+    }
+    let libraries: Vec<PathBuf> = sources
+        .chunks(2)
+        .flat_map(|pair| {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = pair
+                    .iter()
+                    .map(|(name, src)| {
+                        let d = dir.join(name);
+                        s.spawn(move || emu::build_kernels_from(src, &d))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{e}")))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let quick = quick_matrix();
+    let mut report = Vec::new();
+    let mut missed = Vec::new();
+    for ((name, _), library) in sources.iter().zip(&libraries) {
+        fake.use_kernels(library).unwrap();
+        let failures = run_all(fake, &quick);
+        if name == "control" {
+            assert!(
+                failures.is_empty(),
+                "the unchanged source fails:\n{}",
+                failures.join("\n")
+            );
+            continue;
+        }
+        match failures.first() {
+            Some(first) => report.push(format!(
+                "caught {name}: {} of {} cases failed; first: {}{}",
+                failures.len(),
+                quick.len(),
+                first
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .chars()
+                    .take(300)
+                    .collect::<String>(),
+                if first.contains("cuLaunchKernel") {
+                    format!(" (the emulator: {})", fake.last_error())
+                } else {
+                    String::new()
+                }
+            )),
+            None => missed.push(name.clone()),
+        }
+    }
+    fake.use_kernels(&emu::emulated_kernels()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("{}", report.join("\n"));
+    assert!(
+        missed.is_empty(),
+        "planted bugs the matrix did not catch: {missed:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake's checks, the glue's contracts
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn the_host_half_conversions_match_the_half_crate_bit_for_bit() {
+    let conv = emu::HalfConversions::load();
+    for bits in 0..=u16::MAX {
+        let want = f16::from_bits(bits).to_f32();
+        assert_eq!(
+            conv.to_f32(bits).to_bits(),
+            want.to_bits(),
+            "f16 {bits:#06x}"
+        );
+    }
+    let check = |f: f32| {
+        let want = f16::from_f32(f).to_bits();
+        assert_eq!(conv.from_f32(f), want, "f32 {:#010x} ({f:e})", f.to_bits());
+    };
+    // Every half, the midpoints to its neighbour and one float either side (ties to even,
+    // subnormals, overflow), and a stride through all float bit patterns.
+    for bits in 0..=u16::MAX {
+        let a = f16::from_bits(bits).to_f32();
+        let b = f16::from_bits(bits.wrapping_add(1)).to_f32();
+        check(a);
+        if a.is_finite() && b.is_finite() && (a < 0.0) == (b < 0.0) {
+            let mid = ((a as f64 + b as f64) / 2.0) as f32;
+            for m in [mid.to_bits() - 1, mid.to_bits(), mid.to_bits() + 1] {
+                check(f32::from_bits(m));
+            }
+        }
+    }
+    for bits in (0..=u32::MAX).step_by(4099) {
+        check(f32::from_bits(bits));
+    }
+}
+
+#[test]
+fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let module = resources::module_for(0).unwrap();
+    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let fwd =
+        kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
+    let fin = kernels::finalize_index(DataType::F32, DataType::F32).unwrap();
+    let config = |grid, block, shared_bytes| gpu::driver::LaunchConfig {
+        grid,
+        block,
+        shared_bytes,
+    };
+    // The builder: names and types in the table's order, all of them.
+    let err = module
+        .launch(fin, config(1, (32, 8), 0))
+        .unwrap()
+        .ptr("partial", 0)
+        .i64("blocks", 0)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`blocks: I64` but the kernel's parameter is `blocks: I32`"),
+        "{err}"
+    );
+    let err = module
+        .launch(fin, config(1, (32, 8), 0))
+        .unwrap()
+        .ptr("partial", 0)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("1 of the kernel's 4 parameters given (next: `blocks`)"),
+        "{err}"
+    );
+    // The fake driver: sm_90's limits and the 48 KB default of dynamic shared memory.
+    let y = fake.buffer(4 * 1024, 0);
+    let r = fake.buffer(4, 0);
+    let launch = |c: gpu::driver::LaunchConfig| {
+        module
+            .launch(fwd, c)
+            .unwrap()
+            .ptr("x", y.addr() as u64)
+            .ptr("w", 0)
+            .ptr("y", y.addr() as u64)
+            .ptr("rstd", r.addr() as u64)
+            .i64("rows", 1)
+            .i32("n", 1)
+            .i32("team", 32)
+            .f32("eps", 1e-5)
+            .i64("rows_per_group", 1)
+            .enqueue(stream)
+    };
+    launch(config(1, (256, 1), 0)).unwrap();
+    for (c, why) in [
+        (config(1, (256, 1), 48 * 1024 + 1), "over the 48 KB default"),
+        (config(1, (2048, 1), 0), "exceeds sm_90's limits"),
+        (config(0, (256, 1), 0), "a zero dimension"),
+    ] {
+        let err = launch(c).unwrap_err().to_string();
+        assert!(err.contains("cuLaunchKernel failed"), "{err}");
+        assert!(fake.last_error().contains(why), "{}", fake.last_error());
+    }
+    // Threads over a kernel's launch bounds: the backward takes 512.
+    let bwd =
+        kernels::kernel_index(kernels::Direction::Backward, DataType::F32, None, false).unwrap();
+    let err = module
+        .launch(bwd, config(1, (1024, 1), 0))
+        .unwrap()
+        .ptr("x", 0)
+        .ptr("w", 0)
+        .ptr("rstd", 0)
+        .ptr("dy", 0)
+        .ptr("dx", 0)
+        .ptr("partial", 0)
+        .i32("n", 1)
+        .i32("team", 32)
+        .i64("chunk", 1)
+        .i64("rows_per_group", 1)
+        .i64("blocks_per_group", 1)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"), "{err}");
+    assert!(
+        fake.last_error().contains("__launch_bounds__(512)"),
+        "{}",
+        fake.last_error()
+    );
+}
+
+#[test]
+fn an_out_of_bounds_write_fails_the_launch() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let module = resources::module_for(0).unwrap();
+    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let fwd =
+        kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
+    // Two rows of 64 into a y of one row: the second row lands in the guard zone.
+    let mut x = fake.buffer(2 * 64 * 4, 0);
+    x.write(&vec![0x3f; 2 * 64 * 4]);
+    let y = fake.buffer(64 * 4, 0);
+    let r = fake.buffer(2 * 4, 0);
+    let err = module
+        .launch(
+            fwd,
+            gpu::driver::LaunchConfig {
+                grid: 1,
+                block: (256, 1),
+                shared_bytes: 0,
+            },
+        )
+        .unwrap()
+        .ptr("x", x.addr() as u64)
+        .ptr("w", 0)
+        .ptr("y", y.addr() as u64)
+        .ptr("rstd", r.addr() as u64)
+        .i64("rows", 2)
+        .i32("n", 64)
+        .i32("team", 32)
+        .f32("eps", 1e-5)
+        .i64("rows_per_group", 2)
+        .enqueue(stream)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{err}");
+    assert!(
+        fake.last_error()
+            .contains("write past the end of a 256-byte buffer"),
+        "{}",
+        fake.last_error()
+    );
+    // Freeing the buffer reports the overwritten guard too.
+    let freed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(y)));
+    assert!(freed.is_err());
+}
+
+#[test]
+fn concurrent_first_calls_share_one_module_and_allocate_the_scratch_once() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    // Many call sites: the module is loaded once per device, never per state.
+    for n in [64, 96, 128] {
+        run_case(fake, &Case::new(DataType::F32, Weight::Same, 2, n)).unwrap();
+    }
+    let c = fake.counters();
+    assert!(c.module_loads <= 2, "{c:?}");
+    assert_eq!(c.module_loads as usize, resources::modules_loaded());
+    // One backward state; four threads make its first call at once, without initialize.
+    let case = Case {
+        initialize: false,
+        ..Case::new(DataType::BF16, Weight::Same, 33, 512)
+    };
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let (xb, _) = encode(DataType::BF16, &values(33 * 512, 5));
+    let mut inputs: Vec<emu::DeviceBuffer> = [33 * 512 * 2, 512 * 2, 33 * 4, 33 * 512 * 2]
+        .iter()
+        .map(|&n| fake.buffer(n, 0))
+        .collect();
+    inputs[0].write(&xb);
+    inputs[1].write(&vec![0x80; 512 * 2]);
+    inputs[2].write(&1.0f32.to_ne_bytes().repeat(33));
+    inputs[3].write(&xb);
+    let outputs: Vec<(emu::DeviceBuffer, emu::DeviceBuffer)> = (0..4)
+        .map(|_| (fake.buffer(33 * 512 * 2, 0), fake.buffer(512 * 2, 0)))
+        .collect();
+    let ctx = gpu_context(fake, &case);
+    fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(&case)).unwrap();
+    let before = fake.counters();
+    std::thread::scope(|s| {
+        for (dx, dw) in &outputs {
+            let (ctx, inputs, xdims, wdims) = (&ctx, &inputs, &xdims, &wdims);
+            s.spawn(move || {
+                let frame = FrameBuilder::new(Stage::Execute)
+                    .device_arg(DataType::BF16, xdims, inputs[0].addr())
+                    .device_arg(DataType::BF16, wdims, inputs[1].addr())
+                    .device_arg(DataType::F32, &xdims[..1], inputs[2].addr())
+                    .device_arg(DataType::BF16, xdims, inputs[3].addr())
+                    .device_ret(DataType::BF16, xdims, dx.addr())
+                    .device_ret(DataType::BF16, wdims, dw.addr());
+                call(ctx, &gpu::BACKWARD_BUNDLE, Stage::Execute, frame).unwrap();
+            });
+        }
+    });
+    let after = fake.counters();
+    assert_eq!(
+        after.driver_allocations,
+        before.driver_allocations + 1,
+        "one scratch"
+    );
+    assert_eq!(after.module_loads, before.module_loads);
+    let first = outputs[0].1.read();
+    assert!(first.iter().any(|&b| b != 0xff), "dweight written");
+    for (dx, dw) in &outputs {
+        assert_eq!(
+            dw.read(),
+            first,
+            "dweight equal across the concurrent calls"
+        );
+        assert_eq!(dx.read(), outputs[0].0.read());
+    }
+    drop(ctx);
+    assert_eq!(
+        fake.counters().driver_bytes,
+        before.driver_bytes,
+        "scratch freed"
+    );
+}
+
+#[test]
+fn execute_under_capture_without_initialize_fails_clearly_and_leaves_the_capture_intact() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let case = Case::new(DataType::F32, Weight::Same, 4, 256);
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let x = fake.buffer(4 * 256 * 4, 0);
+    let w = fake.buffer(256 * 4, 0);
+    let y = fake.buffer(4 * 256 * 4, 0);
+    let r = fake.buffer(4 * 4, 0);
+    let frame = |stage| {
+        FrameBuilder::new(stage)
+            .device_arg(DataType::F32, &xdims, x.addr())
+            .device_arg(DataType::F32, &wdims, w.addr())
+            .device_ret(DataType::F32, &xdims, y.addr())
+            .device_ret(DataType::F32, &xdims[..1], r.addr())
+    };
+    let ctx = gpu_context(fake, &case);
+    let stream = ctx.stream.unwrap();
+    fake::instantiate(&ctx, &gpu::FORWARD_BUNDLE, fwd_attrs(&case)).unwrap();
+    fake.set_capture(stream, 1);
+    let err = call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Execute,
+        frame(Stage::Execute),
+    )
+    .unwrap_err();
+    assert!(err.contains("FailedPrecondition"), "{err}");
+    assert!(err.contains("being captured into a CUDA graph"), "{err}");
+    assert!(err.contains("did not run the initialize stage"), "{err}");
+    // Nothing was attempted that would have invalidated the capture: it still records.
+    let before = fake.counters().launches;
+    // What XLA does: initialize before it records, then execute inside the capture.
+    fake.set_capture(stream, 0);
+    call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Initialize,
+        frame(Stage::Initialize),
+    )
+    .unwrap();
+    fake.set_capture(stream, 1);
+    call(
+        &ctx,
+        &gpu::FORWARD_BUNDLE,
+        Stage::Execute,
+        frame(Stage::Execute),
+    )
+    .unwrap();
+    assert_eq!(fake.counters().launches, before + 1);
+    fake.set_capture(stream, 0);
+}
+
+#[test]
+fn devices_are_keyed_by_the_stream_not_by_xla_s_ordinal() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    // XLA's ordinal says 0, the stream is device 1's: the state's resources are device 1's.
+    let case = Case {
+        device: 1,
+        ..Case::new(DataType::F32, Weight::Same, 3, 128)
+    };
+    run_case(fake, &case).unwrap();
+    let mut ctx = gpu_context(fake, &case);
+    ctx.device_ordinal = 0;
+    fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(&case)).unwrap();
+    let dims = case.x_dims();
+    let b: Vec<emu::DeviceBuffer> = [3 * 128, 128, 3, 3 * 128, 3 * 128, 128]
+        .iter()
+        .map(|n| fake.buffer(n * 4, 0))
+        .collect();
+    let frame = FrameBuilder::new(Stage::Initialize)
+        .device_arg(DataType::F32, &dims, b[0].addr())
+        .device_arg(DataType::F32, &[128], b[1].addr())
+        .device_arg(DataType::F32, &[3], b[2].addr())
+        .device_arg(DataType::F32, &dims, b[3].addr())
+        .device_ret(DataType::F32, &dims, b[4].addr())
+        .device_ret(DataType::F32, &[128], b[5].addr());
+    call(&ctx, &gpu::BACKWARD_BUNDLE, Stage::Initialize, frame).unwrap();
+    let details = rmsnorm_ffi::state::snapshot()
+        .states
+        .into_iter()
+        .rev()
+        .find(|s| s.target == gpu::BACKWARD_TARGET)
+        .unwrap()
+        .details;
+    assert!(details.contains_key("cuda device 1"), "{details:?}");
+    assert!(!details.contains_key("cuda device 0"), "{details:?}");
+    // 3 rows of 128 on 4 fake SMs: a team of 32 per row, 16 teams per block: one block.
+    assert_eq!(
+        details["cuda device 1"],
+        format!("resources loaded in initialize, {} scratch bytes", 128 * 4)
+    );
+}
