@@ -85,6 +85,9 @@ pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     params: &[("partial", Ptr), ("blocks", I32), ("n", I32), ("dw", Ptr)],
 };
 
+/// Kernels per (x, weight) combo: the two directions, each vectorized and scalar.
+const PER_COMBO: usize = 4;
+
 /// Every kernel with its parameter list, in module order: per combo fwd_v, fwd_s, bwd_v,
 /// bwd_s; then finalize.
 pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::new(|| {
@@ -126,13 +129,13 @@ pub fn kernel_index(
         Direction::Forward => 0,
         Direction::Backward => 2,
     };
-    Some(4 * combo + dir + usize::from(!vectorized))
+    Some(PER_COMBO * combo + dir + usize::from(!vectorized))
 }
 
 /// The index in [`NAMES`] of the finalize kernel writing a `w`-typed gradient from `acc`.
 pub fn finalize_index(acc: DataType, w: DataType) -> Option<usize> {
     let i = FINALIZE.iter().position(|&c| c == (acc, w))?;
-    Some(4 * COMBOS.len() + i)
+    Some(PER_COMBO * COMBOS.len() + i)
 }
 
 /// Bytes per element.
@@ -141,6 +144,17 @@ pub fn size_of(d: DataType) -> usize {
         DataType::F64 => 8,
         DataType::F32 => 4,
         _ => 2,
+    }
+}
+
+/// Bytes of one `Wide<A>` in rmsnorm.cu for the accumulator `acc`: the float64 level of the
+/// sums (a float64, or a compensated pair of them for float64 accumulators), in which the
+/// weight-gradient partial rows are kept.
+pub fn wide_size_of(acc: DataType) -> usize {
+    if acc == DataType::F64 {
+        16
+    } else {
+        8
     }
 }
 
@@ -188,7 +202,7 @@ mod tests {
 
     #[test]
     fn names_and_indices_agree() {
-        assert_eq!(NAMES.len(), 4 * COMBOS.len() + FINALIZE.len());
+        assert_eq!(NAMES.len(), PER_COMBO * COMBOS.len() + FINALIZE.len());
         let i = kernel_index(Direction::Forward, DataType::BF16, None, true).unwrap();
         assert_eq!(NAMES[i], "rmsnorm_fwd_bf16_wbf16_v");
         let i = kernel_index(

@@ -334,7 +334,7 @@ impl Execute for GpuBackward {
         );
         let (scratch, scratch_bytes) = slot.scratch();
         if dw.is_some() && per_group > 0 {
-            let needed = launch.grid as usize * n * kernels::size_of(acc);
+            let needed = launch.grid as usize * n * kernels::wide_size_of(acc);
             if needed > scratch_bytes {
                 return Err(FfiError::internal(format!(
                     "rmsnorm_bwd: the launch needs {needed} scratch bytes, the call site holds \

@@ -25,6 +25,8 @@ enum Type { F32, F64, BF16, F16 };
 const char* kName[] = {"f32", "f64", "bf16", "f16"};
 size_t bytes_of(Type t) { return t == F64 ? 8 : t == F32 ? 4 : 2; }
 Type acc_of(Type t) { return t == F64 ? F64 : F32; }
+// Bytes of the kernels' Wide<acc> (the weight-gradient partials): a float64, or two.
+size_t wide_bytes_of(Type acc) { return acc == F64 ? 16 : 8; }
 
 unsigned f2u(float f) {
   unsigned u;
@@ -186,12 +188,12 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
   const int teams = 512 / bwd_team;
   const bool cached = n / VEC <= bwd_team * vpt;
   if (!cached && bwd_team != 512) return;  // the streaming path takes one team per block
-  const unsigned smem = (teams > 1 && cached) ? n * (unsigned)bytes_of(at) : 0;
+  const unsigned smem = (teams > 1 && cached) ? n * (unsigned)wide_bytes_of(at) : 0;
   size_t bpg = rpg ? (rpg + teams - 1) / teams : 1;
   if (bpg > (size_t)max_blocks) bpg = max_blocks;
   const size_t chunk = rpg ? (rpg + bpg - 1) / bpg : 1;
   bpg = rpg ? (rpg + chunk - 1) / chunk : 1;
-  Buffer partial(weight ? groups * bpg * n * bytes_of(at) : 0);
+  Buffer partial(weight ? groups * bpg * n * wide_bytes_of(at) : 0);
   snprintf(name, sizeof name, "rmsnorm_bwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
   if (rows > 0) {
     launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
