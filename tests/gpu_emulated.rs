@@ -43,8 +43,10 @@ fn setup() -> Option<(&'static Fake, MutexGuard<'static, ()>)> {
         fake::register_bundle_types(&[
             gpu::FORWARD_BUNDLE,
             gpu::BACKWARD_BUNDLE,
+            gpu::RESIDUAL_BUNDLE,
             cpu::FORWARD_BUNDLE,
             cpu::BACKWARD_BUNDLE,
+            cpu::RESIDUAL_BUNDLE,
         ]);
     });
     let path = PathBuf::from(std::env::var_os("RMSNORM_FFI_LIBCUDA").unwrap());
@@ -429,7 +431,10 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
 }
 
 /// Runs one case: GPU forward and backward (twice) against float64 and against the CPU bundles;
-/// dweight bitwise equal run to run; every allocation of the state freed by its deleter.
+/// dweight bitwise equal run to run; every allocation of the state freed by its deleter. The
+/// plain ops run at h = x + residual (rounded to x's dtype on the host), and the fused residual
+/// forward at (x, residual) must give that h bit for bit (as the CPU bundle does) and the plain
+/// forward's y and rstd at h bit for bit.
 fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
     let tag = format!("{case:?}");
     let in_context = |e: String| format!("{tag}: {e}");
@@ -437,8 +442,11 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
     let rows = groups * case.rows;
     let count = rows * n;
     let xd = case.x;
+    let x = encode(xd, &values(count, 1 + n as u64));
+    let residual = encode(xd, &values(count, 4 + n as u64));
+    let h: Vec<f64> = x.1.iter().zip(&residual.1).map(|(a, b)| a + b).collect();
     let inp = Inputs {
-        x: encode(xd, &values(count, 1 + n as u64)),
+        x: encode(xd, &h),
         dy: encode(xd, &values(count, 2 + rows as u64)),
         w: case.wd().map(|wd| {
             let v: Vec<f64> = values(groups * n, 3)
@@ -481,7 +489,132 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         compare("dw vs the CPU bundle", &gdw, &cpu.2, 2.0 * wtol).map_err(in_context)?;
     }
 
+    // ---- the fused residual forward
+    if rows > 0 {
+        let w = inp.w.as_ref().map(|w| w.0.as_slice());
+        let (gy, gh, grstd) =
+            run_residual_gpu(fake, case, &x.0, &residual.0, w).map_err(in_context)?;
+        if gh != inp.x.0 {
+            let at = gh
+                .chunks(size_of(xd))
+                .zip(inp.x.0.chunks(size_of(xd)))
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            return Err(in_context(format!(
+                "residual h differs from x + residual rounded to {} at [{at}]",
+                xd.name()
+            )));
+        }
+        if gy != out.y || grstd != out.rstd {
+            return Err(in_context(
+                "residual y or rstd differs from the forward at h (bit for bit)".into(),
+            ));
+        }
+        let (cy, ch) = cpu_residual(case, &x.0, &residual.0, w).map_err(in_context)?;
+        if ch != gh {
+            return Err(in_context(
+                "residual h differs from the CPU bundle's".into(),
+            ));
+        }
+        compare("residual y vs the CPU bundle", &gy, &cy, 2.0 * tol).map_err(in_context)?;
+    }
     Ok(())
+}
+
+/// The GPU `rmsnorm_residual_fwd` at (x, residual): y and rstd as float64, h's bytes. Checks,
+/// like [`run_gpu`], that the state's deleter freed everything and no guard zone was hit.
+fn run_residual_gpu(
+    fake: &'static Fake,
+    case: &Case,
+    x: &[u8],
+    residual: &[u8],
+    w: Option<&[u8]>,
+) -> Result<(Vec<f64>, Vec<u8>, Vec<f64>), String> {
+    let xd = case.x;
+    let ad = acc_dtype(xd);
+    let rows = case.groups * case.rows;
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let before = fake.counters();
+    let xb = device(fake, case, x.len(), Some(x));
+    let resb = device(fake, case, residual.len(), Some(residual));
+    let wb = w.map(|b| device(fake, case, b.len(), Some(b)));
+    let yb = device(fake, case, x.len(), None);
+    let hb = device(fake, case, x.len(), None);
+    let rb = device(fake, case, rows * size_of(ad), None);
+    let frame = |stage: Stage| {
+        let mut f = FrameBuilder::new(stage)
+            .device_arg(xd, &xdims, xb.addr())
+            .device_arg(xd, &xdims, resb.addr());
+        if let (Some(wb), Some(wd)) = (&wb, case.wd()) {
+            f = f.device_arg(wd, &wdims, wb.addr());
+        }
+        f.device_ret(xd, &xdims, yb.addr())
+            .device_ret(xd, &xdims, hb.addr())
+            .device_ret(ad, rdims, rb.addr())
+    };
+    {
+        let ctx = gpu_context(fake, case);
+        fake::instantiate(&ctx, &gpu::RESIDUAL_BUNDLE, fwd_attrs(case))
+            .map_err(|(c, m)| format!("residual instantiate: {c:?}: {m}"))?;
+        if case.initialize {
+            call(
+                &ctx,
+                &gpu::RESIDUAL_BUNDLE,
+                Stage::Initialize,
+                frame(Stage::Initialize),
+            )?;
+        }
+        call(
+            &ctx,
+            &gpu::RESIDUAL_BUNDLE,
+            Stage::Execute,
+            frame(Stage::Execute),
+        )?;
+    }
+    let out = (decode(xd, &yb.read()), hb.read(), decode(ad, &rb.read()));
+    drop((xb, resb, wb, yb, hb, rb));
+    let after = fake.counters();
+    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
+        return Err(format!(
+            "the residual state's deleter left device memory behind: {before:?} -> {after:?}"
+        ));
+    }
+    if after.guard_failures != before.guard_failures {
+        return Err(format!("guard zones overwritten: {}", fake.last_error()));
+    }
+    Ok(out)
+}
+
+/// The CPU bundle's `rmsnorm_residual_fwd` at (x, residual): y as float64, h's bytes.
+fn cpu_residual(
+    case: &Case,
+    x: &[u8],
+    residual: &[u8],
+    w: Option<&[u8]>,
+) -> Result<(Vec<f64>, Vec<u8>), String> {
+    let xd = case.x;
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let ctx = FakeContext::new();
+    fake::instantiate(&ctx, &cpu::RESIDUAL_BUNDLE, fwd_attrs(case)).map_err(|e| e.1)?;
+    let mut f = FrameBuilder::new(Stage::Execute)
+        .arg(host_buffer(xd, &xdims, x))
+        .arg(host_buffer(xd, &xdims, residual));
+    if let (Some(w), Some(wd)) = (w, case.wd()) {
+        f = f.arg(host_buffer(wd, &wdims, w));
+    }
+    let mut f = f
+        .ret(OwnedBuffer::zeros(xd, &xdims))
+        .ret(OwnedBuffer::zeros(xd, &xdims))
+        .ret(OwnedBuffer::zeros(acc_dtype(xd), rdims))
+        .build(&ctx);
+    f.call(cpu::RESIDUAL_BUNDLE.handler(Stage::Execute).unwrap())
+        .map_err(|e| format!("CPU residual forward: {}", e.1))?;
+    Ok((
+        decode(xd, &host_bytes(f.result(0))),
+        host_bytes(f.result(1)),
+    ))
 }
 
 /// A host buffer of `dt` and `dims` holding `bytes`.

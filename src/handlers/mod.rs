@@ -24,7 +24,11 @@ const CPU_BUNDLES: &[BundleDef] = &[
 ];
 
 /// The RMS norm on NVIDIA GPUs (registered only where JAX has a CUDA backend).
-const CUDA_BUNDLES: &[BundleDef] = &[gpu::FORWARD_BUNDLE, gpu::BACKWARD_BUNDLE];
+const CUDA_BUNDLES: &[BundleDef] = &[
+    gpu::FORWARD_BUNDLE,
+    gpu::BACKWARD_BUNDLE,
+    gpu::RESIDUAL_BUNDLE,
+];
 
 /// The platforms this build registers bundles for.
 pub const PLATFORMS: &[&str] = &["cpu", "cuda"];

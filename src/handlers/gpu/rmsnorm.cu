@@ -27,6 +27,10 @@
 //   with its own weight row (and weight-gradient row). One launch covers every group: the
 //   forward picks the weight row from the row index, the backward gives each group
 //   `blocks_per_group` blocks, and the finalize one grid column block per group and 32 columns.
+// - Fused residual add (rmsnorm_residual_fwd): the forward of h = x + residual, h rounded to x's
+//   dtype as XLA rounds `x + residual` (half precision through float32, whose sum of two half
+//   values is exact or, far apart in magnitude, rounds below half a unit of the result: the
+//   bits of the CPU bundle), in one pass that reads x and the residual and writes h and y.
 //
 // Sums. Elements are widened to the accumulator type A (float32, float64 for float64 input) on
 // load and narrowed on store. Every sum that runs along a row (the forward's sum of squares,
@@ -256,26 +260,42 @@ __device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr
   return out;
 }
 
-// Pack `v` of the forward's input row, adding its squares to `part`.
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, int v,
-                                                   typename Elem<T>::Acc& part) {
+// Pack `v` of the forward's input row, adding its squares to `part`: x, or with a residual
+// h = x + residual rounded to T (written to h when `store_h`).
+template <typename T, int VEC, bool RESIDUAL>
+__device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* hr, int v,
+                                                   bool store_h, typename Elem<T>::Acc& part) {
   typedef typename Elem<T>::Acc A;
-  const Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
+  Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
+  if constexpr (RESIDUAL) {
+    const Pack<T, VEC> q = load_pack<T, VEC>(rr, v);
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    const A a = Elem<T>::load(p.e[e]);
-    part += a * a;
+    for (int e = 0; e < VEC; ++e) {
+      const A sum = Elem<T>::load(p.e[e]) + Elem<T>::load(q.e[e]);
+      p.e[e] = Elem<T>::store(sum);  // h in x's dtype: the norm is of what is returned
+      const A hv = Elem<T>::load(p.e[e]);
+      part += hv * hv;
+    }
+    if (store_h) store_pack<T, VEC>(hr, v, p);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const A a = Elem<T>::load(p.e[e]);
+      part += a * a;
+    }
   }
   return p;
 }
 
 // ------------------------------------------------------------------------------------------
-// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
+// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the same of
+// h = x + residual, and h written.
 // ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT>
-__device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const W* __restrict__ w,
-                                                 T* __restrict__ y,
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
+__device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
+                                                 const T* __restrict__ residual,
+                                                 const W* __restrict__ w, T* __restrict__ y,
+                                                 T* __restrict__ h,
                                                  typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
                                                  int n, int team, float eps, i64 rows_per_group) {
   typedef typename Elem<T>::Acc A;
@@ -290,6 +310,8 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const 
     const i64 row = base + threadIdx.x / team;
     const bool valid = row < rows;
     const T* xr = x + row * n;
+    const T* rr = RESIDUAL ? residual + row * n : nullptr;
+    T* hr = RESIDUAL ? h + row * n : nullptr;
     T* yr = y + row * n;
     const W* wr = w ? w + (row / rows_per_group) * n : nullptr;
     S ss = S::zero();
@@ -300,12 +322,12 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const 
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
-        if (valid && v < nv) cache[k] = load_input<T, VEC>(xr, v, part);
+        if (valid && v < nv) cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
       }
     } else if (valid) {
       int packs = 0;
       for (int v = lane; v < nv; v += team) {
-        load_input<T, VEC>(xr, v, part);
+        load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
         if (++packs == fold_packs) {
           ss.add(part);
           part = A(0);
@@ -325,8 +347,13 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const 
         if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r));
       }
     } else {
-      for (int v = lane; v < nv; v += team)
-        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(load_pack<T, VEC>(xr, v), wr, v, r));
+      // Long rows: the input again (h recomputed from x and the residual rather than read
+      // back: h may not be read through the read-only cache that load_pack uses).
+      A unused = A(0);
+      for (int v = lane; v < nv; v += team) {
+        const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r));
+      }
     }
   }
 }
@@ -581,7 +608,8 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 
 // ------------------------------------------------------------------------------------------
 // Entry points, stamped per (x dtype, weight dtype, vector width). Names:
-//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>
+//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_residual_fwd_<x>_w<w>_<v|s>,
+//   rmsnorm_bwd_finalize_<acc>_w<w>
 // `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses.
 // A null `w` means no weight. VPT (vectors cached per thread): forward 4 (blocks up to 1024
 // threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
@@ -592,7 +620,16 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, i64 rows_per_group) {                                                      \
-    rmsnorm_fwd_impl<T, W, VEC, VPT>(x, w, y, rstd, rows, n, team, eps, rows_per_group);     \
+    rmsnorm_fwd_impl<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team,  \
+                                            eps, rows_per_group);                           \
+  }
+
+#define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
+      const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
+      int n, int team, float eps, i64 rows_per_group) {                                     \
+    rmsnorm_fwd_impl<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps,   \
+                                           rows_per_group);                                 \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
@@ -608,7 +645,9 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                          \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4)) \
-  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                 \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)
 
 STAMP(f32, float, f32, float)
 STAMP(f64, double, f64, double)
