@@ -13,22 +13,27 @@ timeout still returns data), each in a try block of its own:
     of x's dtype and float32, odd rows (scalar path), zero rows, long rows (streaming path), a
     batched weight, against float64 NumPy and against the CPU bundle on the same inputs;
     dweight bitwise reproducible run to run.
- 3. initialize: stats() says each GPU state's resources were loaded in the initialize stage.
- 4. graphs: a step of 6+ ops around the norms under XLA command buffers (custom calls included)
+ 3. residual: the fused rms_norm_residual (CUDA target rmsnorm_residual_fwd): h bitwise equal to
+    jnp's x + residual on the GPU and to the CPU bundle's h, y bitwise equal to the plain forward
+    at h, y against float64, over the dtypes, weight kinds and the cached, scalar and streaming
+    paths; its gradient against jnp's.
+ 4. initialize: stats() says each GPU state's resources were loaded in the initialize stage.
+ 5. graphs: a step of 6+ ops around the norms under XLA command buffers (custom calls included)
     in a child process: the first execution is captured, later ones replay (the handler runs
     fewer times than the step), new input buffers re-record, and the results are bitwise equal
     to a child without command buffers.
- 5. concurrency: two threads make the first call of a fresh executable at once.
- 6. big: more than 2^31 elements (bfloat16), forward and backward, sampled rows vs float64.
- 7. growth: 50 call sites compiled, run and dropped: live states back to the baseline, XLA's
+ 6. concurrency: two threads make the first call of a fresh executable at once.
+ 7. big: more than 2^31 elements (bfloat16), forward and backward, sampled rows vs float64.
+ 8. growth: 50 call sites compiled, run and dropped: live states back to the baseline, XLA's
     bytes in use back, one module per device.
- 8. bandwidth: GB/s of forward and backward against a device copy, against jnp, and against the
-    Pallas RMS norm jax ships (if importable), M in {4096, 16384} x N in {1024, 4096, 8192,
-    16384}, bfloat16 and float32; each timing runs k independent calls in one executable on k
+ 9. bandwidth: GB/s of forward and backward against a device copy, against jnp, and against the
+    Pallas RMS norm jax ships (if importable), and of the fused residual forward against jnp's
+    x + r then jnp's norm, M in {4096, 16384} x N in {1024, 4096, 8192, 16384}, bfloat16 and
+    float32; each timing runs k independent calls in one executable on k
     distinct buffers, k chosen so that k buffers exceed 4x the L2 (read off the device), so
     small shapes are not timed from cache. bfloat16 first; stops early to leave the last
     minute to:
- 9. sanitizer: compute-sanitizer memcheck, racecheck and synccheck on a small sweep in child
+10. sanitizer: compute-sanitizer memcheck, racecheck and synccheck on a small sweep in child
     processes (kernels compiled with -lineinfo), if compute-sanitizer is on PATH or in
     /usr/local/cuda/bin.
 
@@ -220,6 +225,7 @@ def child_sanitize() -> None:
                 continue
             y, r = jax.jit(rmsnorm_ffi.rms_norm_fwd)(x, w)
             jax.block_until_ready(jax.jit(rmsnorm_ffi.rms_norm_bwd)(x, w, r, x))
+            jax.block_until_ready(jax.jit(rmsnorm_ffi.rms_norm_residual)(x, y, w))
     print("sanitize child done", flush=True)
 
 
@@ -321,6 +327,74 @@ def correctness():
     if not np.array_equal(a, b):
         bad.append("dweight not bitwise reproducible")
     record("correctness", checks=checks, failures=bad[:50])
+    return not bad, f"{checks} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
+
+
+@section("residual", needs=25)
+def residual():
+    dev, cpu = gpu(), jax.devices("cpu")[0]
+    rng = np.random.default_rng(7)
+    bad = []
+    checks = 0
+    shapes = [(5, 1000), (7, 1003), (64, 4096), (4, 40000), (0, 16), (2, 3, 512)]
+    if OPTS.quick:
+        shapes = shapes[:3]
+    fused = jax.jit(rmsnorm_ffi.rms_norm_residual)
+    add = jax.jit(lambda x, r: x + r)
+    plain = jax.jit(rmsnorm_ffi.rms_norm)
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
+        name = jnp.dtype(dt).name
+        tol = TOL[name]
+        for shape in shapes:
+            for wkind in (None, "same", "f32"):
+                if wkind == "f32" and dt == jnp.float32:
+                    continue
+                xh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
+                rh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
+                wh = None
+                if wkind:
+                    wdt = dt if wkind == "same" else jnp.float32
+                    wh = np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), wdt))
+                res = {}
+                for where, d in (("gpu", dev), ("cpu", cpu)):
+                    x, r = on(d, xh), on(d, rh)
+                    w = None if wh is None else on(d, wh)
+                    res[where] = (*fused(x, r, w), add(x, r), x, r, w)
+                gy, gh, jh, x, r, w = res["gpu"]
+                cy, ch = res["cpu"][:2]
+                y_ref = ref_np(np.asarray(jnp.asarray(gh).astype(jnp.float64)), wh, np.zeros(shape))[0]
+                tag = f"{name} {shape} w={wkind}"
+                as_bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+                for what, same in (("h == jnp x + r", np.array_equal(as_bits(gh), as_bits(jh))),
+                                   ("h == CPU h", np.array_equal(as_bits(gh), as_bits(ch))),
+                                   ("y == rms_norm(h)", np.array_equal(as_bits(gy), as_bits(plain(gh, w))))):
+                    checks += 1
+                    if not same:
+                        bad.append(f"{what} {tag}")
+                for what, got, want, t in (("y", gy, y_ref, tol), ("y~cpu", gy, cy, 2 * tol)):
+                    checks += 1
+                    e = err(got, want)
+                    if not e <= t:
+                        bad.append(f"{what} {tag}: {e:.2e} > {t:.0e}")
+    # The gradients of y and h both reach x and the residual, as jnp's add then jnp's norm.
+    x = on(dev, jnp.asarray(rng.standard_normal((64, 1024)), jnp.float32))
+    r = on(dev, jnp.asarray(rng.standard_normal((64, 1024)), jnp.float32))
+    w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, 1024), jnp.float32))
+
+    def loss(op):
+        def f(x, r, w):
+            y, h = op(x, r, w)
+            return jnp.sum(y * jnp.cos(h)) + jnp.sum(h * h)
+        return jax.jit(jax.grad(f, (0, 1, 2)))
+
+    ref = lambda x, r, w: (rmsnorm_ffi.rms_norm_reference(x + r, w), x + r)  # noqa: E731
+    for what, got, want in zip(("dx", "dresidual", "dw"), loss(rmsnorm_ffi.rms_norm_residual)(x, r, w),
+                               loss(ref)(x, r, w)):
+        checks += 1
+        e = err(got, want, scale=float(np.max(np.abs(np.asarray(want)))))
+        if not e <= 1e-5:
+            bad.append(f"grad {what}: {e:.2e}")
+    record("residual", checks=checks, failures=bad[:50])
     return not bad, f"{checks} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
 
 
@@ -485,7 +559,11 @@ def bandwidth():
                 row["fwd"] = timed(lambda x: rmsnorm_ffi.rms_norm_fwd(x, w)[0], [(x,) for x in xs], k)
                 row["bwd"] = timed(lambda x, r: rmsnorm_ffi.rms_norm_bwd(x, w, r, x)[0],
                                    list(zip(xs, rs)), k)
+                # The fused residual add (the residual: the next buffer of the rotation).
+                pairs = [(x, xs[(i + 1) % k]) for i, x in enumerate(xs)]
+                row["res"] = timed(lambda x, r: rmsnorm_ffi.rms_norm_residual(x, r, w), pairs, k)
                 ref = rmsnorm_ffi.rms_norm_reference
+                row["jnp_res"] = timed(lambda x, r: (ref(x + r, w), x + r), pairs, k)
                 row["jnp_fwd"] = timed(lambda x: ref(x, w), [(x,) for x in xs], k)
                 row["jnp_bwd"] = timed(lambda x: jax.vjp(lambda x: ref(x, w), x)[1](x)[0],
                                        [(x,) for x in xs], k)
@@ -501,6 +579,7 @@ def bandwidth():
                 row["copy_GBs"] = gb(row["copy"], 2)
                 row["fwd_GBs"] = gb(row["fwd"], 2)
                 row["bwd_GBs"] = gb(row["bwd"], 3)
+                row["res_GBs"] = gb(row["res"], 4)  # reads x and r, writes h and y
                 record("bandwidth", **row)
                 TABLE.append(row)
                 del xs, rs
@@ -534,15 +613,18 @@ def table() -> str:
     lines += [f"{s:12s} {st:8s} {d}" for s, st, d in SUMMARY]
     if TABLE:
         lines += ["", f"{'dtype':9s} {'M':>6s} {'N':>6s} {'copy GB/s':>9s} {'fwd GB/s':>8s} {'/copy':>6s} "
-                  f"{'jnp/fwd':>7s} {'pal/fwd':>7s} {'bwd GB/s':>8s} {'/copy':>6s} {'jnp/bwd':>7s} {'pal/bwd':>7s}"]
+                  f"{'jnp/fwd':>7s} {'pal/fwd':>7s} {'bwd GB/s':>8s} {'/copy':>6s} {'jnp/bwd':>7s} {'pal/bwd':>7s} "
+                  f"{'res GB/s':>8s} {'/copy':>6s} {'jnp/res':>7s}"]
         for r in TABLE:
             pf = f"{r['pallas_fwd'] / r['fwd']:7.2f}" if "pallas_fwd" in r else "      -"
             pb = f"{r['pallas_bwd'] / r['bwd']:7.2f}" if "pallas_bwd" in r else "      -"
             lines.append(
                 f"{r['dtype']:9s} {r['M']:6d} {r['N']:6d} {r['copy_GBs']:9.0f} {r['fwd_GBs']:8.0f} "
                 f"{r['fwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_fwd'] / r['fwd']:7.2f} {pf} "
-                f"{r['bwd_GBs']:8.0f} {r['bwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_bwd'] / r['bwd']:7.2f} {pb}")
-        lines.append("(ratios jnp/ours and pallas/ours > 1: ours faster; bwd counts x, dy, dx)")
+                f"{r['bwd_GBs']:8.0f} {r['bwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_bwd'] / r['bwd']:7.2f} {pb} "
+                f"{r['res_GBs']:8.0f} {r['res_GBs'] / r['copy_GBs']:6.1%} {r['jnp_res'] / r['res']:7.2f}")
+        lines.append("(ratios jnp/ours and pallas/ours > 1: ours faster; bwd counts x, dy, dx; res counts x, r, h, "
+                     "y against jnp's x + r then jnp's norm)")
     return "\n".join(lines)
 
 

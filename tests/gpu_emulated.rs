@@ -43,8 +43,10 @@ fn setup() -> Option<(&'static Fake, MutexGuard<'static, ()>)> {
         fake::register_bundle_types(&[
             gpu::FORWARD_BUNDLE,
             gpu::BACKWARD_BUNDLE,
+            gpu::RESIDUAL_BUNDLE,
             cpu::FORWARD_BUNDLE,
             cpu::BACKWARD_BUNDLE,
+            cpu::RESIDUAL_BUNDLE,
         ]);
     });
     let path = PathBuf::from(std::env::var_os("RMSNORM_FFI_LIBCUDA").unwrap());
@@ -298,34 +300,39 @@ fn bwd_attrs(case: &Case) -> Vec<(&'static str, OwnedAttr)> {
     ]
 }
 
-/// Runs one case: GPU forward and backward (twice) against float64 and against the CPU bundles;
-/// dweight bitwise equal run to run; every allocation of the state freed by its deleter.
-fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
-    let tag = format!("{case:?}");
-    let in_context = |e: String| format!("{tag}: {e}");
-    let (groups, n) = (case.groups, case.n);
-    let rows = groups * case.rows;
+/// One case's inputs: bytes in their dtypes, and the float64 values those bytes hold.
+struct Inputs {
+    x: (Vec<u8>, Vec<f64>),
+    w: Option<(Vec<u8>, Vec<f64>)>,
+    dy: (Vec<u8>, Vec<f64>),
+}
+
+/// What the GPU bundles returned: y, rstd and dx as float64, dweight's bytes per backward run.
+struct Outputs {
+    y: Vec<f64>,
+    rstd: Vec<f64>,
+    dx: Vec<f64>,
+    dw: Vec<Vec<u8>>,
+}
+
+/// The GPU forward at x, then the backward `runs` times at x, the weight, the forward's rstd and
+/// dy, through the bundles' stages as XLA:GPU calls them. Checks that the stats detail names
+/// the stage that loaded the backward's resources, that the states' deleters freed every device
+/// allocation, and that no guard zone was overwritten.
+fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Result<Outputs, String> {
+    let n = case.n;
+    let rows = case.groups * case.rows;
     let count = rows * n;
     let xd = case.x;
     let ad = acc_dtype(xd);
-    let (x_bytes, x) = encode(xd, &values(count, 1 + n as u64));
-    let (dy_bytes, dy) = encode(xd, &values(count, 2 + rows as u64));
-    let w = case.wd().map(|wd| {
-        let v: Vec<f64> = values(groups * n, 3)
-            .iter()
-            .map(|v| 1.0 + v / 4.0)
-            .collect();
-        encode(wd, &v)
-    });
-    let r = reference(&x, w.as_ref().map(|w| w.1.as_slice()), &dy, groups, n);
     let (xdims, wdims) = (case.x_dims(), case.w_dims());
     let rdims = &xdims[..xdims.len() - 1];
-    let tol = tolerance(xd, n);
     let before = fake.counters();
 
     // ---- forward
-    let xb = device(fake, case, x_bytes.len(), Some(&x_bytes));
-    let wb = w
+    let xb = device(fake, case, inp.x.0.len(), Some(&inp.x.0));
+    let wb = inp
+        .w
         .as_ref()
         .map(|(b, _)| device(fake, case, b.len(), Some(b)));
     let yb = device(fake, case, count * size_of(xd), None);
@@ -338,47 +345,30 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         f.device_ret(xd, &xdims, yb.addr())
             .device_ret(ad, rdims, rb.addr())
     };
-    let (gy, grstd) = {
+    {
         let ctx = gpu_context(fake, case);
         fake::instantiate(&ctx, &gpu::FORWARD_BUNDLE, fwd_attrs(case))
-            .map_err(|(c, m)| in_context(format!("instantiate: {c:?}: {m}")))?;
+            .map_err(|(c, m)| format!("instantiate: {c:?}: {m}"))?;
         if case.initialize {
             let frame = fwd_frame(Stage::Initialize);
-            call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Initialize, frame).map_err(in_context)?;
+            call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Initialize, frame)?;
         }
         let frame = fwd_frame(Stage::Execute);
-        call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Execute, frame).map_err(in_context)?;
-        (decode(xd, &yb.read()), decode(ad, &rb.read()))
-    };
-    if rows > 0 {
-        compare("y vs float64", &gy, &r.y, tol).map_err(in_context)?;
-        compare("rstd vs float64", &grstd, &r.rstd, tol).map_err(in_context)?;
+        call(&ctx, &gpu::FORWARD_BUNDLE, Stage::Execute, frame)?;
     }
 
-    // ---- the CPU bundles on the same inputs
-    let cpu = cpu_results(
-        case,
-        &x_bytes,
-        w.as_ref().map(|w| w.0.as_slice()),
-        &dy_bytes,
-    )
-    .map_err(in_context)?;
-    if rows > 0 {
-        compare("y vs the CPU bundle", &gy, &cpu.0, 2.0 * tol).map_err(in_context)?;
-    }
-
-    // ---- backward, twice
-    let dyb = device(fake, case, dy_bytes.len(), Some(&dy_bytes));
+    // ---- backward
+    let dyb = device(fake, case, inp.dy.0.len(), Some(&inp.dy.0));
     let dxb = device(fake, case, count * size_of(xd), None);
-    let dw_bytes = w.as_ref().map_or(0, |(b, _)| b.len());
-    let dwb: Vec<emu::DeviceBuffer> = (0..2)
+    let dw_bytes = inp.w.as_ref().map_or(0, |(b, _)| b.len());
+    let dwb: Vec<emu::DeviceBuffer> = (0..runs)
         .filter(|_| case.wd().is_some())
         .map(|_| device(fake, case, dw_bytes, None))
         .collect();
     {
         let ctx = gpu_context(fake, case);
         fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, bwd_attrs(case))
-            .map_err(|(c, m)| in_context(format!("instantiate: {c:?}: {m}")))?;
+            .map_err(|(c, m)| format!("instantiate: {c:?}: {m}"))?;
         let frame = |stage: Stage, run: usize| {
             let mut f = FrameBuilder::new(stage).device_arg(xd, &xdims, xb.addr());
             if let (Some(wb), Some(wd)) = (&wb, case.wd()) {
@@ -394,22 +384,12 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
             f
         };
         if case.initialize {
-            call(
-                &ctx,
-                &gpu::BACKWARD_BUNDLE,
-                Stage::Initialize,
-                frame(Stage::Initialize, 0),
-            )
-            .map_err(in_context)?;
+            let frame = frame(Stage::Initialize, 0);
+            call(&ctx, &gpu::BACKWARD_BUNDLE, Stage::Initialize, frame)?;
         }
-        for run in 0..2 {
-            call(
-                &ctx,
-                &gpu::BACKWARD_BUNDLE,
-                Stage::Execute,
-                frame(Stage::Execute, run),
-            )
-            .map_err(in_context)?;
+        for run in 0..runs {
+            let frame = frame(Stage::Execute, run);
+            call(&ctx, &gpu::BACKWARD_BUNDLE, Stage::Execute, frame)?;
         }
         let want = if case.initialize {
             "initialize"
@@ -428,41 +408,240 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
             })
             .unwrap_or_default();
         if !detail.contains(&format!("loaded in {want}")) {
-            return Err(in_context(format!(
-                "stats detail `{detail}`, want loaded in {want}"
-            )));
+            return Err(format!("stats detail `{detail}`, want loaded in {want}"));
         }
     }
-    let gdx = decode(xd, &dxb.read());
+    let out = Outputs {
+        y: decode(xd, &yb.read()),
+        rstd: decode(ad, &rb.read()),
+        dx: decode(xd, &dxb.read()),
+        dw: dwb.iter().map(|b| b.read()).collect(),
+    };
+    drop((xb, wb, yb, rb, dyb, dxb, dwb));
+    let after = fake.counters();
+    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
+        return Err(format!(
+            "the states' deleters left device memory behind: {before:?} -> {after:?}"
+        ));
+    }
+    if after.guard_failures != before.guard_failures {
+        return Err(format!("guard zones overwritten: {}", fake.last_error()));
+    }
+    Ok(out)
+}
+
+/// Runs one case: GPU forward and backward (twice) against float64 and against the CPU bundles;
+/// dweight bitwise equal run to run; every allocation of the state freed by its deleter. The
+/// plain ops run at h = x + residual (rounded to x's dtype on the host), and the fused residual
+/// forward at (x, residual) must give that h bit for bit (as the CPU bundle does) and the plain
+/// forward's y and rstd at h bit for bit.
+fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
+    let tag = format!("{case:?}");
+    let in_context = |e: String| format!("{tag}: {e}");
+    let (groups, n) = (case.groups, case.n);
+    let rows = groups * case.rows;
+    let count = rows * n;
+    let xd = case.x;
+    let x = encode(xd, &values(count, 1 + n as u64));
+    let residual = encode(xd, &values(count, 4 + n as u64));
+    let h: Vec<f64> = x.1.iter().zip(&residual.1).map(|(a, b)| a + b).collect();
+    let inp = Inputs {
+        x: encode(xd, &h),
+        dy: encode(xd, &values(count, 2 + rows as u64)),
+        w: case.wd().map(|wd| {
+            let v: Vec<f64> = values(groups * n, 3)
+                .iter()
+                .map(|v| 1.0 + v / 4.0)
+                .collect();
+            encode(wd, &v)
+        }),
+    };
+    let r = reference(
+        &inp.x.1,
+        inp.w.as_ref().map(|w| w.1.as_slice()),
+        &inp.dy.1,
+        groups,
+        n,
+    );
+    let tol = tolerance(xd, n);
+    let out = run_gpu(fake, case, &inp, 2).map_err(in_context)?;
+    let cpu = cpu_results(
+        case,
+        &inp.x.0,
+        inp.w.as_ref().map(|w| w.0.as_slice()),
+        &inp.dy.0,
+    )
+    .map_err(in_context)?;
     if rows > 0 {
-        compare("dx vs float64", &gdx, &r.dx, 4.0 * tol).map_err(in_context)?;
-        compare("dx vs the CPU bundle", &gdx, &cpu.1, 8.0 * tol).map_err(in_context)?;
+        compare("y vs float64", &out.y, &r.y, tol).map_err(in_context)?;
+        compare("rstd vs float64", &out.rstd, &r.rstd, tol).map_err(in_context)?;
+        compare("y vs the CPU bundle", &out.y, &cpu.0, 2.0 * tol).map_err(in_context)?;
+        compare("dx vs float64", &out.dx, &r.dx, 4.0 * tol).map_err(in_context)?;
+        compare("dx vs the CPU bundle", &out.dx, &cpu.1, 8.0 * tol).map_err(in_context)?;
     }
     if let Some(wd) = case.wd() {
-        let a = dwb[0].read();
-        let b = dwb[1].read();
-        if a != b {
+        if out.dw[0] != out.dw[1] {
             return Err(in_context("dweight differs between two runs".into()));
         }
-        let gdw = decode(wd, &a);
+        let gdw = decode(wd, &out.dw[0]);
         let wtol = tol.max(tolerance(wd, n)) * 4.0 * ((case.rows as f64) + 1.0).sqrt();
         compare("dw vs float64", &gdw, &r.dw, wtol).map_err(in_context)?;
         compare("dw vs the CPU bundle", &gdw, &cpu.2, 2.0 * wtol).map_err(in_context)?;
     }
-    drop((xb, wb, yb, rb, dyb, dxb, dwb));
-    let after = fake.counters();
-    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
-        return Err(in_context(format!(
-            "the states' deleters left device memory behind: {before:?} -> {after:?}"
-        )));
-    }
-    if after.guard_failures != before.guard_failures {
-        return Err(in_context(format!(
-            "guard zones overwritten: {}",
-            fake.last_error()
-        )));
+
+    // ---- the fused residual forward
+    if rows > 0 {
+        let w = inp.w.as_ref().map(|w| w.0.as_slice());
+        let (gy, gh, grstd) =
+            run_residual_gpu(fake, case, &x.0, &residual.0, w).map_err(in_context)?;
+        if gh != inp.x.0 {
+            let at = gh
+                .chunks(size_of(xd))
+                .zip(inp.x.0.chunks(size_of(xd)))
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            return Err(in_context(format!(
+                "residual h differs from x + residual rounded to {} at [{at}]",
+                xd.name()
+            )));
+        }
+        if gy != out.y || grstd != out.rstd {
+            return Err(in_context(
+                "residual y or rstd differs from the forward at h (bit for bit)".into(),
+            ));
+        }
+        let (cy, ch) = cpu_residual(case, &x.0, &residual.0, w).map_err(in_context)?;
+        if ch != gh {
+            return Err(in_context(
+                "residual h differs from the CPU bundle's".into(),
+            ));
+        }
+        compare("residual y vs the CPU bundle", &gy, &cy, 2.0 * tol).map_err(in_context)?;
     }
     Ok(())
+}
+
+/// y and rstd (as float64) and h's bytes.
+type ResidualOutputs = (Vec<f64>, Vec<u8>, Vec<f64>);
+
+/// The GPU `rmsnorm_residual_fwd` at (x, residual). Checks, like [`run_gpu`], that the state's
+/// deleter freed everything and no guard zone was hit.
+fn run_residual_gpu(
+    fake: &'static Fake,
+    case: &Case,
+    x: &[u8],
+    residual: &[u8],
+    w: Option<&[u8]>,
+) -> Result<ResidualOutputs, String> {
+    let xd = case.x;
+    let ad = acc_dtype(xd);
+    let rows = case.groups * case.rows;
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let before = fake.counters();
+    let xb = device(fake, case, x.len(), Some(x));
+    let resb = device(fake, case, residual.len(), Some(residual));
+    let wb = w.map(|b| device(fake, case, b.len(), Some(b)));
+    let yb = device(fake, case, x.len(), None);
+    let hb = device(fake, case, x.len(), None);
+    let rb = device(fake, case, rows * size_of(ad), None);
+    let frame = |stage: Stage| {
+        let mut f = FrameBuilder::new(stage)
+            .device_arg(xd, &xdims, xb.addr())
+            .device_arg(xd, &xdims, resb.addr());
+        if let (Some(wb), Some(wd)) = (&wb, case.wd()) {
+            f = f.device_arg(wd, &wdims, wb.addr());
+        }
+        f.device_ret(xd, &xdims, yb.addr())
+            .device_ret(xd, &xdims, hb.addr())
+            .device_ret(ad, rdims, rb.addr())
+    };
+    {
+        let ctx = gpu_context(fake, case);
+        fake::instantiate(&ctx, &gpu::RESIDUAL_BUNDLE, fwd_attrs(case))
+            .map_err(|(c, m)| format!("residual instantiate: {c:?}: {m}"))?;
+        if case.initialize {
+            call(
+                &ctx,
+                &gpu::RESIDUAL_BUNDLE,
+                Stage::Initialize,
+                frame(Stage::Initialize),
+            )?;
+        }
+        call(
+            &ctx,
+            &gpu::RESIDUAL_BUNDLE,
+            Stage::Execute,
+            frame(Stage::Execute),
+        )?;
+    }
+    let out = (decode(xd, &yb.read()), hb.read(), decode(ad, &rb.read()));
+    drop((xb, resb, wb, yb, hb, rb));
+    let after = fake.counters();
+    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
+        return Err(format!(
+            "the residual state's deleter left device memory behind: {before:?} -> {after:?}"
+        ));
+    }
+    if after.guard_failures != before.guard_failures {
+        return Err(format!("guard zones overwritten: {}", fake.last_error()));
+    }
+    Ok(out)
+}
+
+/// The CPU bundle's `rmsnorm_residual_fwd` at (x, residual): y as float64, h's bytes.
+fn cpu_residual(
+    case: &Case,
+    x: &[u8],
+    residual: &[u8],
+    w: Option<&[u8]>,
+) -> Result<(Vec<f64>, Vec<u8>), String> {
+    let xd = case.x;
+    let (xdims, wdims) = (case.x_dims(), case.w_dims());
+    let rdims = &xdims[..xdims.len() - 1];
+    let ctx = FakeContext::new();
+    fake::instantiate(&ctx, &cpu::RESIDUAL_BUNDLE, fwd_attrs(case)).map_err(|e| e.1)?;
+    let mut f = FrameBuilder::new(Stage::Execute)
+        .arg(host_buffer(xd, &xdims, x))
+        .arg(host_buffer(xd, &xdims, residual));
+    if let (Some(w), Some(wd)) = (w, case.wd()) {
+        f = f.arg(host_buffer(wd, &wdims, w));
+    }
+    let mut f = f
+        .ret(OwnedBuffer::zeros(xd, &xdims))
+        .ret(OwnedBuffer::zeros(xd, &xdims))
+        .ret(OwnedBuffer::zeros(acc_dtype(xd), rdims))
+        .build(&ctx);
+    f.call(cpu::RESIDUAL_BUNDLE.handler(Stage::Execute).unwrap())
+        .map_err(|e| format!("CPU residual forward: {}", e.1))?;
+    Ok((
+        decode(xd, &host_bytes(f.result(0))),
+        host_bytes(f.result(1)),
+    ))
+}
+
+/// A host buffer of `dt` and `dims` holding `bytes`.
+fn host_buffer(dt: DataType, dims: &[i64], bytes: &[u8]) -> OwnedBuffer {
+    let mut b = OwnedBuffer::zeros(dt, dims);
+    let words: Vec<u64> = bytes
+        .chunks(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            u64::from_ne_bytes(w)
+        })
+        .collect();
+    b.data[..words.len()].copy_from_slice(&words);
+    b
+}
+
+/// The bytes a host buffer holds.
+fn host_bytes(b: &OwnedBuffer) -> Vec<u8> {
+    b.data
+        .iter()
+        .flat_map(|w| w.to_ne_bytes())
+        .take(b.bytes)
+        .collect()
 }
 
 /// y, dx, dw.
@@ -474,26 +653,7 @@ fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Res
     let ad = acc_dtype(xd);
     let (xdims, wdims) = (case.x_dims(), case.w_dims());
     let rdims = &xdims[..xdims.len() - 1];
-    let host = |dt: DataType, dims: &[i64], bytes: &[u8]| {
-        let mut b = OwnedBuffer::zeros(dt, dims);
-        let words: Vec<u64> = bytes
-            .chunks(8)
-            .map(|c| {
-                let mut w = [0u8; 8];
-                w[..c.len()].copy_from_slice(c);
-                u64::from_ne_bytes(w)
-            })
-            .collect();
-        b.data[..words.len()].copy_from_slice(&words);
-        b
-    };
-    let bytes_of = |b: &OwnedBuffer| -> Vec<u8> {
-        b.data
-            .iter()
-            .flat_map(|w| w.to_ne_bytes())
-            .take(b.bytes)
-            .collect()
-    };
+    let (host, bytes_of) = (host_buffer, host_bytes);
     let ctx = FakeContext::new();
     fake::instantiate(&ctx, &cpu::FORWARD_BUNDLE, fwd_attrs(case)).map_err(|e| e.1)?;
     let mut f = FrameBuilder::new(Stage::Execute).arg(host(xd, &xdims, x));
@@ -551,7 +711,8 @@ const PAIRS: [(DataType, Weight); 11] = [
 
 /// Every (x, weight) pair over: n = 1, odd n (scalar path), zero rows, several rows per block,
 /// several rows per team (each block accumulating many rows), one block per row, a batched
-/// weight; then the streaming path (rows up to 2^20), misaligned
+/// weight; then blocks folding their weight-gradient sums many times, the streaming path (rows
+/// up to 2^20), misaligned
 /// buffers (scalar path on even n), a stream on the second device, and XLA skipping initialize.
 fn matrix() -> Vec<Case> {
     let mut cases = Vec::new();
@@ -563,6 +724,15 @@ fn matrix() -> Vec<Case> {
             groups: 3,
             ..Case::new(x, w, 5, 64)
         });
+    }
+    // Blocks of several teams that fold their weight-gradient sums into the block's row more
+    // than once (FOLD_ROWS rows per team at a time), one block per fake SM.
+    for (x, w, rows, n) in [
+        (DataType::F32, Weight::Same, 600, 256),
+        (DataType::BF16, Weight::F32, 900, 512),
+        (DataType::F64, Weight::Same, 600, 64),
+    ] {
+        cases.push(Case::new(x, w, rows, n));
     }
     for (x, w, rows, n) in [
         (DataType::F32, Weight::Same, 2, 1 << 20),
@@ -597,7 +767,7 @@ fn matrix() -> Vec<Case> {
 fn quick_matrix() -> Vec<Case> {
     vec![
         Case::new(DataType::F32, Weight::Same, 37, 256),
-        Case::new(DataType::F32, Weight::Same, 200, 256),
+        Case::new(DataType::F32, Weight::Same, 600, 256),
         Case::new(DataType::F32, Weight::Same, 3, 4096),
         Case::new(DataType::BF16, Weight::F32, 5, 67),
         Case::new(DataType::F16, Weight::Same, 3, 2048),
@@ -642,6 +812,258 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
     let c = fake.counters();
     assert_eq!(c.module_loads, 2, "{c:?}");
     assert_eq!(resources::modules_loaded(), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accuracy against a float64 truth, in units of the last place
+// ---------------------------------------------------------------------------------------------
+
+/// A double-double: `hi + lo` with |lo| <= half an ulp of hi (about 106 bits), so that the
+/// truth for float64 results is itself far more accurate than the float64 eps it judges.
+#[derive(Debug, Clone, Copy, Default)]
+struct Dd {
+    hi: f64,
+    lo: f64,
+}
+
+impl Dd {
+    fn of(v: f64) -> Dd {
+        Dd { hi: v, lo: 0.0 }
+    }
+    fn norm(hi: f64, lo: f64) -> Dd {
+        let s = hi + lo;
+        Dd {
+            hi: s,
+            lo: lo - (s - hi),
+        }
+    }
+    fn add(self, b: Dd) -> Dd {
+        let s = self.hi + b.hi;
+        let bb = s - self.hi;
+        let e = (self.hi - (s - bb)) + (b.hi - bb);
+        Dd::norm(s, e + self.lo + b.lo)
+    }
+    fn sub(self, b: Dd) -> Dd {
+        self.add(Dd {
+            hi: -b.hi,
+            lo: -b.lo,
+        })
+    }
+    fn mul(self, b: Dd) -> Dd {
+        let p = self.hi * b.hi;
+        let e = self.hi.mul_add(b.hi, -p);
+        Dd::norm(p, e + self.hi * b.lo + self.lo * b.hi)
+    }
+    fn div(self, b: Dd) -> Dd {
+        let q1 = self.hi / b.hi;
+        let r = self.sub(b.mul(Dd::of(q1)));
+        let q2 = r.hi / b.hi;
+        let r = r.sub(b.mul(Dd::of(q2)));
+        Dd::norm(q1, q2).add(Dd::of(r.hi / b.hi))
+    }
+    fn sqrt(self) -> Dd {
+        let s = self.hi.sqrt();
+        let r = self.sub(Dd::of(s).mul(Dd::of(s)));
+        Dd::norm(s, r.hi / (2.0 * s))
+    }
+}
+
+/// Standard normal values (Box-Muller on the generator of [`values`]).
+fn normals(count: usize, seed: u64) -> Vec<f64> {
+    let u = values(count + 1, seed);
+    (0..count)
+        .map(|i| {
+            let a = (u[i] + 2.0) / 4.0 + 1.0 / (1u64 << 26) as f64; // (0, 1]
+            let b = (u[i + 1] + 2.0) / 4.0;
+            (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
+        })
+        .collect()
+}
+
+/// y, dx and dweight in double-double from the rounded inputs (one weight row).
+fn truth(x: &[f64], w: &[f64], dy: &[f64], n: usize) -> (Vec<Dd>, Vec<Dd>, Vec<Dd>) {
+    let rows = x.len() / n;
+    let eps = Dd::of(1e-5f32 as f64); // eps travels as a float32 attribute
+    let inv_n = Dd::of(1.0).div(Dd::of(n as f64));
+    let (mut y, mut dx, mut dw) = (
+        Vec::with_capacity(x.len()),
+        Vec::with_capacity(x.len()),
+        vec![Dd::default(); n],
+    );
+    for row in 0..rows {
+        let xs = &x[row * n..(row + 1) * n];
+        let ds = &dy[row * n..(row + 1) * n];
+        let ss = xs
+            .iter()
+            .fold(Dd::default(), |s, &v| s.add(Dd::of(v).mul(Dd::of(v))));
+        let r = Dd::of(1.0).div(ss.mul(inv_n).add(eps).sqrt());
+        let dot = (0..n).fold(Dd::default(), |s, j| {
+            s.add(Dd::of(ds[j]).mul(Dd::of(w[j])).mul(Dd::of(xs[j])))
+        });
+        let c = r.mul(r).mul(r).mul(dot).mul(inv_n);
+        for j in 0..n {
+            let (xv, wv, gv) = (Dd::of(xs[j]), Dd::of(w[j]), Dd::of(ds[j]));
+            y.push(xv.mul(r).mul(wv));
+            dx.push(r.mul(gv).mul(wv).sub(xv.mul(c)));
+            dw[j] = dw[j].add(gv.mul(xv).mul(r));
+        }
+    }
+    (y, dx, dw)
+}
+
+/// max |got - truth| / max |truth|, in units of `unit` (the dtype's eps).
+fn eps_error(got: &[f64], truth: &[Dd], unit: f64) -> f64 {
+    let scale = truth.iter().fold(0.0f64, |m, t| m.max(t.hi.abs()));
+    let err = got
+        .iter()
+        .zip(truth)
+        .fold(0.0f64, |m, (&g, t)| m.max(((g - t.hi) - t.lo).abs()));
+    if scale == 0.0 {
+        return err;
+    }
+    err / scale / unit
+}
+
+/// max over elements of |got - rn(truth)| in units of the last place of rn(truth), where rn is
+/// the correctly rounded value in `dt` (bfloat16 or float16). With `floor`, a unit is at least
+/// `floor` times max |truth|: for results that cancel (dx, and dweight columns whose terms
+/// nearly cancel), whose float32 evaluation is only that close to the truth below about 2^-15
+/// (bfloat16) or 2^-12 (float16) of the largest.
+fn ulp_error(got: &[f64], truth: &[Dd], dt: DataType, floor: f64) -> f64 {
+    let (eps, tiny) = match dt {
+        DataType::BF16 => (2f64.powi(-7), 2f64.powi(-126)),
+        _ => (2f64.powi(-10), 2f64.powi(-14)),
+    };
+    let floor = floor * truth.iter().fold(0.0f64, |m, t| m.max(t.hi.abs()));
+    got.iter()
+        .zip(truth)
+        .map(|(&g, t)| {
+            let rounded = encode(dt, &[t.hi]).1[0];
+            let ulp = 2f64.powf(rounded.abs().max(tiny).log2().floor()) * eps;
+            (g - rounded).abs() / ulp.max(floor)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// (x dtype, rows, n): the row lengths the kernels take, from one element to the streaming path
+/// at 2^20 (the longest row the matrix runs), and the weight gradient over many rows.
+const ACCURACY: &[(DataType, usize, usize)] = &[
+    (DataType::F32, 8, 1),
+    (DataType::F32, 8, 7),
+    (DataType::F32, 8, 255),
+    (DataType::F32, 8, 4096),
+    (DataType::F32, 4, 65536),
+    (DataType::F32, 2, 1 << 20),
+    (DataType::F32, 1 << 16, 64),
+    (DataType::F64, 8, 4096),
+    (DataType::F64, 2, 1 << 18),
+    (DataType::F64, 1 << 14, 64),
+    (DataType::BF16, 16, 64),
+    (DataType::BF16, 16, 4096),
+    (DataType::BF16, 4, 65536),
+    (DataType::BF16, 1 << 14, 64),
+    (DataType::F16, 16, 64),
+    (DataType::F16, 16, 4096),
+    (DataType::F16, 4, 65536),
+];
+
+#[test]
+fn accuracy_against_a_float64_truth_is_independent_of_rows_and_row_length() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let start = std::time::Instant::now();
+    let mut table = vec![format!(
+        "{:<6} {:>12} | {:>8} {:>8} {:>8} | {:>6} | unit",
+        "dtype", "rows x n", "fwd", "dx", "dw", "s"
+    )];
+    let mut failures = Vec::new();
+    for &(xd, rows, n) in ACCURACY {
+        let case = Case::new(xd, Weight::Same, rows, n);
+        let count = rows * n;
+        let case_start = std::time::Instant::now();
+        let w: Vec<f64> = normals(n, 7).iter().map(|v| 1.0 + 0.1 * v).collect();
+        let inp = Inputs {
+            x: encode(
+                xd,
+                &normals(count, 5)
+                    .iter()
+                    .map(|v| v + 0.5)
+                    .collect::<Vec<_>>(),
+            ),
+            dy: encode(xd, &normals(count, 6)),
+            w: Some(encode(xd, &w)),
+        };
+        let out = run_gpu(fake, &case, &inp, 1).unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        let t_gpu = case_start.elapsed().as_secs_f64();
+        let (ty, tdx, tdw) = truth(&inp.x.1, &inp.w.as_ref().unwrap().1, &inp.dy.1, n);
+        eprintln!(
+            "TIMING gpu {t_gpu:.1} truth {:.1}",
+            case_start.elapsed().as_secs_f64() - t_gpu
+        );
+        let dw = decode(xd, &out.dw[0]);
+        let (errors, unit, bound) = match xd {
+            DataType::F32 | DataType::F64 => {
+                let unit = if xd == DataType::F32 {
+                    f32::EPSILON as f64
+                } else {
+                    f64::EPSILON
+                };
+                let e = [
+                    eps_error(&out.y, &ty, unit),
+                    eps_error(&out.dx, &tdx, unit),
+                    eps_error(&dw, &tdw, unit),
+                ];
+                (e, "eps", 2.0)
+            }
+            _ => {
+                let f32_floor = 2.0 * f32::EPSILON as f64;
+                let e = [
+                    ulp_error(&out.y, &ty, xd, 0.0),
+                    ulp_error(&out.dx, &tdx, xd, f32_floor),
+                    ulp_error(&dw, &tdw, xd, f32_floor),
+                ];
+                (
+                    e,
+                    "ulp of the rounded truth (dx, dw: at least 2 f32 eps of the max)",
+                    1.0,
+                )
+            }
+        };
+        // Rows of one element are left out for dx and dw: dx cancels there (r * g * (1 - x^2
+        // r^2) = r * g * eps * r^2), which no evaluation of the formula in the accumulator
+        // type gets within 2 eps, and dw is a sum of one term per row (8 here) that nearly
+        // cancels: the float32 rstd the forward hands the backward alone puts it past 2 eps of
+        // so small a sum (the table shows the value).
+        let dx_shown = if n == 1 {
+            "-".to_string()
+        } else {
+            format!("{:.2}", errors[1])
+        };
+        table.push(format!(
+            "{:<6} {:>12} | {:>8.2} {dx_shown:>8} {:>8.2} | {:>6.1} | {unit}",
+            xd.name(),
+            format!("{rows}x{n}"),
+            errors[0],
+            errors[2],
+            case_start.elapsed().as_secs_f64()
+        ));
+        let checked = if n == 1 {
+            vec![errors[0]]
+        } else {
+            errors.to_vec()
+        };
+        // NaN counts as over the bound.
+        if checked.iter().any(|&e| e.is_nan() || e > bound) {
+            failures.push(format!(
+                "{} {rows}x{n}: {errors:?} over {bound} {unit}",
+                xd.name()
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
+    println!("accuracy sweep: {:.1} s", start.elapsed().as_secs_f64());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -719,6 +1141,7 @@ fn planted_bugs_make_the_matrix_fail() {
             bug.name
         );
     }
+    let start = std::time::Instant::now();
     let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_planted_{}", std::process::id()));
     // Build every variant (and a control from the unchanged source) two at a time.
     let mut sources: Vec<(String, String)> = vec![("control".into(), kernels::SOURCE.into())];
@@ -728,62 +1151,80 @@ fn planted_bugs_make_the_matrix_fail() {
             kernels::SOURCE.replacen(&bug.find, &bug.replace, 1),
         ));
     }
-    let libraries: Vec<PathBuf> = sources
-        .chunks(2)
-        .flat_map(|pair| {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = pair
-                    .iter()
-                    .map(|(name, src)| {
-                        let d = dir.join(name);
-                        s.spawn(move || emu::build_kernels_from(src, &d))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{e}")))
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
+    // Two builder threads compile the variants while this thread runs each one as soon as it is
+    // built (the builds and the runs share the two cores).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let (sender, built) = std::sync::mpsc::channel::<(usize, PathBuf)>();
     let quick = quick_matrix();
     let mut report = Vec::new();
     let mut missed = Vec::new();
-    for ((name, _), library) in sources.iter().zip(&libraries) {
-        fake.use_kernels(library).unwrap();
-        let failures = run_all(fake, &quick);
-        if name == "control" {
-            assert!(
-                failures.is_empty(),
-                "the unchanged source fails:\n{}",
-                failures.join("\n")
-            );
-            continue;
-        }
-        match failures.first() {
-            Some(first) => report.push(format!(
-                "caught {name}: {} of {} cases failed; first: {}{}",
-                failures.len(),
-                quick.len(),
-                first
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .chars()
-                    .take(300)
-                    .collect::<String>(),
-                if first.contains("cuLaunchKernel") {
-                    format!(" (the emulator: {})", fake.last_error())
-                } else {
-                    String::new()
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (sender, next, sources, dir) = (sender.clone(), &next, &sources, &dir);
+            s.spawn(move || loop {
+                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((name, src)) = sources.get(index) else {
+                    break;
+                };
+                let library =
+                    emu::build_kernels_from(src, &dir.join(name)).unwrap_or_else(|e| panic!("{e}"));
+                if sender.send((index, library)).is_err() {
+                    break;
                 }
-            )),
-            None => missed.push(name.clone()),
+            });
         }
-    }
+        drop(sender);
+        for (index, library) in built.iter() {
+            let name = &sources[index].0;
+            fake.use_kernels(&library).unwrap();
+            // A planted bug needs one failing case: the rest of the subset is not run.
+            let failures: Vec<String> = if name == "control" {
+                run_all(fake, &quick)
+            } else {
+                quick
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, c)| run_case(fake, c).err().map(|e| format!("case {i}: {e}")))
+                    .into_iter()
+                    .collect()
+            };
+            if name == "control" {
+                assert!(
+                    failures.is_empty(),
+                    "the unchanged source fails:\n{}",
+                    failures.join("\n")
+                );
+                continue;
+            }
+            match failures.first() {
+                Some(first) => report.push(format!(
+                    "caught {name}: {}{}",
+                    first
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .chars()
+                        .take(300)
+                        .collect::<String>(),
+                    if first.contains("cuLaunchKernel") {
+                        format!(" (the emulator: {})", fake.last_error())
+                    } else {
+                        String::new()
+                    }
+                )),
+                None => missed.push(name.clone()),
+            }
+        }
+    });
     fake.use_kernels(&emu::emulated_kernels()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     println!("{}", report.join("\n"));
+    println!(
+        "{} planted bugs against {} cases: {:.1} s",
+        bugs.len(),
+        quick.len(),
+        start.elapsed().as_secs_f64()
+    );
     assert!(
         missed.is_empty(),
         "planted bugs the matrix did not catch: {missed:?}"
@@ -1137,6 +1578,6 @@ fn devices_are_keyed_by_the_stream_not_by_xla_s_ordinal() {
     // 3 rows of 128 on 4 fake SMs: a team of 32 per row, 16 teams per block: one block.
     assert_eq!(
         details["cuda device 1"],
-        format!("resources loaded in initialize, {} scratch bytes", 128 * 4)
+        format!("resources loaded in initialize, {} scratch bytes", 128 * 8)
     );
 }

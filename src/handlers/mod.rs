@@ -24,6 +24,7 @@ pub const BUNDLES: &[BundleDef] = &[
     cpu::RESIDUAL_BUNDLE,
     gpu::FORWARD_BUNDLE,
     gpu::BACKWARD_BUNDLE,
+    gpu::RESIDUAL_BUNDLE,
 ];
 
 /// The platforms this build registers bundles for.

@@ -63,6 +63,24 @@ pub static FORWARD: KernelSignature = KernelSignature {
     ],
 };
 
+/// `rmsnorm_residual_fwd_*`: RES_ENTRY in rmsnorm.cu.
+pub static RESIDUAL: KernelSignature = KernelSignature {
+    family: "rmsnorm_residual_fwd",
+    params: &[
+        ("x", Ptr),
+        ("residual", Ptr),
+        ("w", Ptr),
+        ("y", Ptr),
+        ("h", Ptr),
+        ("rstd", Ptr),
+        ("rows", I64),
+        ("n", I32),
+        ("team", I32),
+        ("eps", F32),
+        ("rows_per_group", I64),
+    ],
+};
+
 /// `rmsnorm_bwd_*` (not finalize): BWD_ENTRY in rmsnorm.cu.
 pub static BACKWARD: KernelSignature = KernelSignature {
     family: "rmsnorm_bwd",
@@ -87,13 +105,20 @@ pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     params: &[("partial", Ptr), ("blocks", I32), ("n", I32), ("dw", Ptr)],
 };
 
+/// Kernels per (x, weight) combo: the three directions, each vectorized and scalar.
+const PER_COMBO: usize = 6;
+
 /// Every kernel with its parameter list, in module order: per combo fwd_v, fwd_s, bwd_v,
-/// bwd_s; then finalize.
+/// bwd_s, residual_fwd_v, residual_fwd_s; then finalize.
 pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::new(|| {
     let mut out: Vec<(&'static str, &'static KernelSignature)> = Vec::new();
     for pair in COMBOS {
         let (x, w) = (pair.x(), pair.weight());
-        for (kind, signature) in [("fwd", &FORWARD), ("bwd", &BACKWARD)] {
+        for (kind, signature) in [
+            ("fwd", &FORWARD),
+            ("bwd", &BACKWARD),
+            ("residual_fwd", &RESIDUAL),
+        ] {
             for path in ["v", "s"] {
                 let name = format!("rmsnorm_{kind}_{}_w{}_{path}", code(x), code(w));
                 out.push((Box::leak(name.into_boxed_str()), signature));
@@ -114,9 +139,12 @@ pub static NAMES: Lazy<Vec<&'static str>> = Lazy::new(|| KERNELS.iter().map(|k| 
 pub enum Direction {
     Forward,
     Backward,
+    /// The forward of `h = x + residual` (rmsnorm_residual_fwd).
+    Residual,
 }
 
-/// The index in [`NAMES`] of the forward or backward kernel for x's and the weight's dtypes.
+/// The index in [`NAMES`] of the forward, backward or residual kernel for x's and the
+/// weight's dtypes.
 pub fn kernel_index(
     dir: Direction,
     x: DataType,
@@ -128,14 +156,15 @@ pub fn kernel_index(
     let dir = match dir {
         Direction::Forward => 0,
         Direction::Backward => 2,
+        Direction::Residual => 4,
     };
-    Some(4 * combo + dir + usize::from(!vectorized))
+    Some(PER_COMBO * combo + dir + usize::from(!vectorized))
 }
 
 /// The index in [`NAMES`] of the finalize kernel writing a `w`-typed gradient from `acc`.
 pub fn finalize_index(acc: DataType, w: DataType) -> Option<usize> {
     let i = FINALIZE.iter().position(|&c| c == (acc, w))?;
-    Some(4 * COMBOS.len() + i)
+    Some(PER_COMBO * COMBOS.len() + i)
 }
 
 /// Bytes per element of a dtype of the contract (any other is a bug in the caller, as for
@@ -146,6 +175,17 @@ pub fn size_of(d: DataType) -> usize {
         DataType::F32 => 4,
         DataType::BF16 | DataType::F16 => 2,
         other => panic!("{other} has no GPU kernels: it is not a dtype of the op contract"),
+    }
+}
+
+/// Bytes of one `Wide<A>` in rmsnorm.cu for the accumulator `acc`: the float64 level of the
+/// sums (a float64, or a compensated pair of them for float64 accumulators), in which the
+/// weight-gradient partial rows are kept.
+pub fn wide_size_of(acc: DataType) -> usize {
+    if acc == DataType::F64 {
+        16
+    } else {
+        8
     }
 }
 
@@ -221,7 +261,7 @@ mod tests {
 
     #[test]
     fn names_and_indices_agree() {
-        assert_eq!(NAMES.len(), 4 * COMBOS.len() + FINALIZE.len());
+        assert_eq!(NAMES.len(), PER_COMBO * COMBOS.len() + FINALIZE.len());
         let i = kernel_index(Direction::Forward, DataType::BF16, None, true).unwrap();
         assert_eq!(NAMES[i], "rmsnorm_fwd_bf16_wbf16_v");
         let i = kernel_index(
@@ -232,6 +272,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(NAMES[i], "rmsnorm_bwd_f16_wf32_s");
+        let i = kernel_index(Direction::Residual, DataType::F32, None, true).unwrap();
+        assert_eq!(NAMES[i], "rmsnorm_residual_fwd_f32_wf32_v");
+        let i = kernel_index(
+            Direction::Residual,
+            DataType::BF16,
+            Some(DataType::F32),
+            false,
+        )
+        .unwrap();
+        assert_eq!(NAMES[i], "rmsnorm_residual_fwd_bf16_wf32_s");
         let i = finalize_index(DataType::F64, DataType::F32).unwrap();
         assert_eq!(NAMES[i], "rmsnorm_bwd_finalize_f64_wf32");
         assert!(kernel_index(
@@ -251,6 +301,7 @@ mod tests {
         // Pointers and i64 on 8-byte boundaries, i32/f32 on 4 (the layout cuLaunchKernel's
         // parameter buffer takes).
         assert_eq!(FORWARD.packed_bytes(), 4 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
+        assert_eq!(RESIDUAL.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(BACKWARD.packed_bytes(), 6 * 8 + 4 + 4 + 8 + 8 + 8);
         assert_eq!(FINALIZE_KERNEL.packed_bytes(), 8 + 4 + 4 + 8);
     }

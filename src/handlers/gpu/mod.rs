@@ -1,4 +1,5 @@
-//! RMS norm on NVIDIA GPUs: the `rmsnorm_fwd` / `rmsnorm_bwd` bundles for platform CUDA.
+//! RMS norm on NVIDIA GPUs: the `rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_residual_fwd` bundles
+//! for platform CUDA (the same operand contracts as the CPU's, `operands.rs`).
 //!
 //! - [`rmsnorm.cu`](kernels::SOURCE): the kernels, stamped per dtype, compiled by NVRTC.
 //! - [`driver`]: NVRTC and the driver API, loaded at run time (the only `unsafe` here); generic.
@@ -27,8 +28,8 @@ pub mod plan;
 pub mod resources;
 
 use super::operands::{
-    backward_operands, check_eps, check_row_len, forward_operands, BackwardAttrs, BackwardOperands,
-    ForwardAttrs, ForwardOperands, Layout,
+    backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
+    BackwardAttrs, BackwardOperands, ForwardAttrs, ForwardOperands, Layout, ResidualOperands,
 };
 use crate::ffi::{
     AnyBuffer, ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult,
@@ -39,7 +40,7 @@ use driver::{GpuError, LaunchConfig};
 use kernels::Direction;
 use resources::DeviceSlots;
 
-pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET};
+pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 
 impl From<GpuError> for FfiError {
     fn from(e: GpuError) -> Self {
@@ -74,7 +75,7 @@ fn compile_for_visible_devices() -> FfiResult<()> {
     Ok(())
 }
 
-/// Per-call-site state of the GPU `rmsnorm_fwd`.
+/// Per-call-site state of the GPU `rmsnorm_fwd` and `rmsnorm_residual_fwd`.
 pub struct GpuForwardState {
     pub live: LiveState,
     eps: f32,
@@ -101,14 +102,13 @@ impl Bundle for GpuForward {
     type State = GpuForwardState;
 }
 
-impl Instantiate for GpuForward {
-    type Attrs<'a> = ForwardAttrs;
-    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
+impl GpuForwardState {
+    fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         compile_for_visible_devices()?;
         Ok(GpuForwardState {
-            live: LiveState::register(FORWARD_TARGET, "rmsnorm_ffi.RmsNormGpuForwardState"),
+            live: LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState"),
             eps: attrs.eps,
             has_weight: attrs.has_weight,
             row_len,
@@ -117,7 +117,49 @@ impl Instantiate for GpuForward {
     }
 }
 
+impl Instantiate for GpuForward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
+        GpuForwardState::new(FORWARD_TARGET, attrs)
+    }
+}
+
 impl Initialize for GpuForward {
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
+    type Attrs<'a> = ();
+    fn initialize(
+        state: &GpuForwardState,
+        ctx: &Context<'_>,
+        _args: ArgsView<'_, Cuda>,
+        _rets: ResultList<'_, Cuda>,
+        (): (),
+    ) -> FfiResult<()> {
+        forward_slot(state, ctx, Stage::Initialize)?;
+        Ok(())
+    }
+}
+
+/// `rmsnorm_residual_fwd`: `(x, residual, [weight]) -> (y, h, rstd)` with `h = x + residual`
+/// rounded to x's dtype (the CPU bundle's bits) and `(y, rstd)` the forward of h, in one kernel
+/// that reads x and the residual once and writes h and y. The forward's state, attributes and
+/// launch plan.
+pub struct GpuResidualForward;
+impl Bundle for GpuResidualForward {
+    const TARGET: &'static str = RESIDUAL_TARGET;
+    type Platform = Cuda;
+    const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
+    type State = GpuForwardState;
+}
+
+impl Instantiate for GpuResidualForward {
+    type Attrs<'a> = ForwardAttrs;
+    fn instantiate(_ctx: &Context<'_>, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
+        GpuForwardState::new(RESIDUAL_TARGET, attrs)
+    }
+}
+
+impl Initialize for GpuResidualForward {
     type Args<'a> = ArgsView<'a, Cuda>;
     type Rets<'a> = ResultList<'a, Cuda>;
     type Attrs<'a> = ();
@@ -282,6 +324,76 @@ impl Execute for GpuForward {
     }
 }
 
+impl Execute for GpuResidualForward {
+    type Args<'a> = ArgsView<'a, Cuda>;
+    type Rets<'a> = ResultList<'a, Cuda>;
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &GpuForwardState,
+        ctx: &Context<'_>,
+        args: ArgsView<'_, Cuda>,
+        mut rets: ResultList<'_, Cuda>,
+        (): (),
+    ) -> FfiResult<()> {
+        state.live.record_execution();
+        let ResidualOperands {
+            forward:
+                ForwardOperands {
+                    x,
+                    w,
+                    y,
+                    rstd,
+                    layout,
+                    ..
+                },
+            residual,
+            h,
+        } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        if layout.rows == 0 {
+            return Ok(());
+        }
+        let cell = forward_slot(state, ctx, Stage::Execute)?;
+        let slot = cell
+            .get()
+            .ok_or_else(|| FfiError::internal("device not loaded"))?;
+        let wd = w.as_ref().map(|w| w.dtype());
+        let (xp, resp, wp, yp, hp, rp) = (
+            addr(x.device_ptr()),
+            addr(residual.device_ptr()),
+            weight_ptr(&w),
+            addr(y.device_ptr()),
+            addr(h.device_ptr()),
+            addr(rstd.device_ptr()),
+        );
+        let vectorized =
+            layout.n > 0 && plan::can_vectorize(x.dtype(), layout.n, &[xp, resp, wp, yp, hp]);
+        let index = kernels::kernel_index(Direction::Residual, x.dtype(), wd, vectorized)
+            .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
+        let launch = plan::forward_launch(x.dtype(), layout.n, layout.rows, vectorized);
+        let config = LaunchConfig {
+            grid: launch.grid,
+            block: (launch.block, 1),
+            shared_bytes: launch.shared_bytes,
+        };
+        slot.module
+            .launch(index, config)?
+            .ptr("x", xp)
+            .ptr("residual", resp)
+            .ptr("w", wp)
+            .ptr("y", yp)
+            .ptr("h", hp)
+            .ptr("rstd", rp)
+            .i64("rows", layout.rows as i64)
+            .i32("n", layout.n as i32)
+            .i32("team", launch.team as i32)
+            .f32("eps", state.eps)
+            .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
+            .enqueue(ctx.stream()?)?;
+        Ok(())
+    }
+}
+
 impl Execute for GpuBackward {
     type Args<'a> = ArgsView<'a, Cuda>;
     type Rets<'a> = ResultList<'a, Cuda>;
@@ -337,7 +449,7 @@ impl Execute for GpuBackward {
         );
         let (scratch, scratch_bytes) = slot.scratch();
         if dw.is_some() && per_group > 0 {
-            let needed = launch.grid as usize * n * kernels::size_of(acc);
+            let needed = launch.grid as usize * n * kernels::wide_size_of(acc);
             if needed > scratch_bytes {
                 return Err(FfiError::internal(format!(
                     "rmsnorm_bwd: the launch needs {needed} scratch bytes, the call site holds \
@@ -397,6 +509,11 @@ impl Execute for GpuBackward {
 }
 
 pub const FORWARD_BUNDLE: BundleDef = BundleDef::of::<GpuForward>()
+    .instantiate()
+    .initialize()
+    .execute()
+    .build();
+pub const RESIDUAL_BUNDLE: BundleDef = BundleDef::of::<GpuResidualForward>()
     .instantiate()
     .initialize()
     .execute()

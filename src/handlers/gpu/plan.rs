@@ -2,7 +2,7 @@
 //! shape, and the weight-gradient scratch those launches use. Plain arithmetic, tested on the
 //! CPU; the emulated matrix (tests/gpu_emulated.rs) runs every plan on the kernels.
 
-use super::kernels::{size_of, Direction};
+use super::kernels::{size_of, wide_size_of, Direction};
 use crate::ffi::DataType;
 use crate::handlers::operands::acc_dtype;
 
@@ -28,6 +28,11 @@ pub const BACKWARD_BLOCK: u32 = 512;
 
 /// Largest weight-gradient scratch per device and call site.
 pub const SCRATCH_LIMIT_BYTES: usize = 256 << 20;
+
+/// Largest shared-memory weight-gradient row of a backward block (n `Wide` values, see
+/// rmsnorm.cu): blocks of several teams add into one there. Within the 48 KB a launch gets
+/// without cuFuncSetAttribute, with room for the kernel's static shared memory.
+pub const SHARED_ROW_LIMIT_BYTES: usize = 32 << 10;
 
 /// The shape of one forward or backward launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,9 +79,12 @@ pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> L
 }
 
 /// Backward: blocks of 512 threads, each owning a contiguous chunk of one weight group's rows
-/// and (with a weight) one partial weight-gradient row. One launch for all `groups`: every
-/// group gets the same number of blocks, about `sm_count` in all (resident blocks: one per SM
-/// by the launch bounds), at least one per group, within [`SCRATCH_LIMIT_BYTES`] of partials.
+/// and (with a weight) one partial weight-gradient row of `Wide` values. One launch for all
+/// `groups`: every group gets the same number of blocks, about `sm_count` in all (resident
+/// blocks: one per SM by the launch bounds), at least one per group, within
+/// [`SCRATCH_LIMIT_BYTES`] of partials. Several teams share a block only while the block's
+/// shared weight-gradient row fits [`SHARED_ROW_LIMIT_BYTES`]; longer rows get one team of 512
+/// (which adds into its partial row in global memory instead).
 pub fn backward_launch(
     x: DataType,
     n: usize,
@@ -89,16 +97,19 @@ pub fn backward_launch(
     let vec = vec_width(x, vectorized);
     let block = BACKWARD_BLOCK as usize;
     let vpt = vectors_per_thread(Direction::Backward, x, vectorized);
-    let team = team_size(n, vec, vpt, block);
+    let wide = wide_size_of(acc_dtype(x));
+    let mut team = team_size(n, vec, vpt, block);
+    if n * wide > SHARED_ROW_LIMIT_BYTES {
+        team = block;
+    }
     let teams = block / team;
     let cached = n / vec <= team * vpt;
-    let acc = size_of(acc_dtype(x));
-    let shared = if teams > 1 && cached { n * acc } else { 0 };
+    let shared = if teams > 1 && cached { n * wide } else { 0 };
     let groups = groups.max(1);
     let wanted = rows_per_group.div_ceil(teams).max(1);
     let mut per_group = sm_count.max(1).div_ceil(groups);
     if has_weight {
-        let rows_in_limit = SCRATCH_LIMIT_BYTES / (n.max(1) * acc);
+        let rows_in_limit = SCRATCH_LIMIT_BYTES / (n.max(1) * wide);
         per_group = per_group.min(rows_in_limit / groups).max(1);
     }
     let per_group = wanted.min(per_group);
@@ -115,7 +126,7 @@ pub fn backward_launch(
 }
 
 /// Bytes of weight-gradient partials the backward launches of a call site use: one row of `n`
-/// accumulators per block, for whichever of the vector and scalar plans has more blocks (the
+/// `Wide` values per block (8 bytes, 16 for float64 input), for whichever of the vector and scalar plans has more blocks (the
 /// choice depends on buffer alignment, which can change from call to call). None without a
 /// weight, or with nothing to reduce.
 pub fn backward_scratch_bytes(
@@ -135,7 +146,7 @@ pub fn backward_scratch_bytes(
         .map(|v| backward_launch(x, n, groups, rows_per_group, v, sm_count, true).grid as usize)
         .max()
         .unwrap_or(0);
-    blocks * n * size_of(acc_dtype(x))
+    blocks * n * wide_size_of(acc_dtype(x))
 }
 
 /// Whether every pointer is 16-byte aligned and rows are whole vectors (the `_v` kernels).
@@ -165,8 +176,16 @@ mod tests {
         assert!(l.chunk * l.grid as i64 >= 4096);
         let l = backward_launch(DataType::F32, 1024, 1, 5, true, 264, true);
         assert_eq!(l.team, 32);
-        assert_eq!(l.shared_bytes, 1024 * 4);
+        // The block's float64 weight-gradient row in shared memory.
+        assert_eq!(l.shared_bytes, 1024 * 8);
         assert_eq!(l.grid, 1);
+        // Rows whose float64 row would not fit: one team of 512 (several would take 64 KB).
+        let l = backward_launch(DataType::F32, 8192, 1, 100, true, 64, true);
+        assert_eq!((l.team, l.shared_bytes), (512, 0));
+        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true);
+        assert_eq!((l.team, l.shared_bytes), (128, 4096 * 8));
+        let l = backward_launch(DataType::F64, 2048, 1, 100, true, 64, true);
+        assert_eq!((l.team, l.shared_bytes), (256, 2048 * 16));
         // No empty blocks.
         let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true);
         assert!((l.grid as i64 - 1) * l.chunk < 100);
@@ -190,30 +209,34 @@ mod tests {
 
     #[test]
     fn scratch_is_what_the_launches_use() {
-        // 4096 rows of 16384 bf16 on 132 SMs: 128 blocks of 32 rows, float32 partials.
+        // 4096 rows of 16384 bf16 on 132 SMs: 128 blocks of 32 rows, float64 partials.
         assert_eq!(
             backward_scratch_bytes(DataType::BF16, 16384, 1, 4096, 132, true),
-            128 * 16384 * 4
+            128 * 16384 * 8
         );
         // A few rows: one block per team of rows, not one per SM; the scalar plan (teams of
         // 256, two rows per block: 3 blocks) uses more than the vector plan (1 block).
         assert_eq!(
             backward_scratch_bytes(DataType::F32, 1024, 1, 5, 132, true),
-            3 * 1024 * 4
+            3 * 1024 * 8
         );
-        // float64 partials are 8 bytes; no weight, no scratch.
+        // float64 input has compensated partials (two float64); no weight, no scratch.
         assert_eq!(
             backward_scratch_bytes(DataType::F64, 4096, 1, 8, 132, true),
-            8 * 4096 * 8
+            8 * 4096 * 16
         );
         assert_eq!(
             backward_scratch_bytes(DataType::F32, 4096, 1, 4096, 132, false),
             0
         );
-        // Huge rows stay within the limit.
+        // Huge rows stay within the limit, or take one block (one partial row) if a row alone
+        // is over it.
+        assert_eq!(
+            backward_scratch_bytes(DataType::F32, 1 << 26, 1, 64, 132, true),
+            (1 << 26) * 8
+        );
         assert!(
-            backward_scratch_bytes(DataType::F32, 1 << 26, 1, 64, 132, true)
-                <= SCRATCH_LIMIT_BYTES.max((1 << 26) * 4)
+            backward_scratch_bytes(DataType::F32, 1 << 22, 1, 64, 132, true) <= SCRATCH_LIMIT_BYTES
         );
     }
 

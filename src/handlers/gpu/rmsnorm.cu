@@ -1,16 +1,16 @@
 // RMS norm kernels for NVIDIA GPUs, compiled at run time by NVRTC (see kernels.rs).
 //
 // The same file also compiles as host C++ for the CPU emulator of the tests
-// (tests/cuda_emulator): the three places that NVRTC alone can take (the dynamic shared memory
-// declaration and the two inline-PTX half conversions) sit behind `__CUDACC_RTC__`, which
-// NVRTC defines, with host equivalents from the emulator's shim otherwise.
+// (tests/cuda_emulator): the places that NVRTC alone can take (the dynamic shared memory
+// declaration, the two inline-PTX half conversions and `opaque`'s empty move) sit behind
+// `__CUDACC_RTC__`, which NVRTC defines, with host equivalents otherwise.
 //
 // Deliberately header-free: bfloat16 and float16 are carried as raw 16-bit patterns and
 // converted with bit arithmetic / PTX `cvt`, so NVRTC needs no CUDA include directory at run
 // time (a `jax[cuda12]` or `jax[cuda13]` install ships the headers in different places, and a
 // driver-only system ships none).
 //
-// Layout of the work (all paths accumulate in float32, float64 for float64 input):
+// Layout of the work:
 // - A *team* of `team` threads (a power of two, 32..1024, uniform per launch) owns one row at a
 //   time; a block holds blockDim.x / team teams, so short rows get several rows per block and
 //   long rows a whole block per row.
@@ -20,14 +20,37 @@
 // - Every loop over rows runs the same number of iterations in every thread of a block (teams
 //   without a row compute nothing but still reach each __syncthreads).
 // - Backward: each block owns a contiguous chunk of rows of one weight group and accumulates the
-//   weight gradient of those rows in registers; at the end the teams of the block add their
-//   accumulators in team order through shared memory and the block writes one partial row. A
+//   weight gradient of those rows (see "Sums" for how), writing one partial row per block. A
 //   finalize kernel adds each group's partial rows in block order: the weight gradient is
 //   bitwise reproducible for a launch shape.
 // - Batched (vmapped) weights: rows come in `groups` consecutive groups of `rows_per_group`, each
 //   with its own weight row (and weight-gradient row). One launch covers every group: the
 //   forward picks the weight row from the row index, the backward gives each group
 //   `blocks_per_group` blocks, and the finalize one grid column block per group and 32 columns.
+// - Fused residual add (rmsnorm_residual_fwd): the forward of h = x + residual, h rounded to x's
+//   dtype as XLA rounds `x + residual` (half precision through float32, whose sum of two half
+//   values is exact or, far apart in magnitude, rounds below half a unit of the result: the
+//   bits of the CPU bundle), in one pass that reads x and the residual and writes h and y.
+//
+// Sums. Elements are widened to the accumulator type A (float32, float64 for float64 input) on
+// load and narrowed on store. Every sum that runs along a row (the forward's sum of squares,
+// the backward's dot product) or over rows (the weight gradient) is taken in two levels, so its
+// error does not grow with the row length or the number of rows (one float32 accumulator along
+// a row or over the rows of a block drifted by tens of eps at 2^20 terms):
+// - each thread sums at most FOLD_ELEMS of its elements in A (its cached vectors, or that many
+//   of the streaming path's), or one column's terms of at most FOLD_ROWS rows, then adds that
+//   partial into a Wide<A>: float64 for float32 partials (its rounding is 2^-29 of theirs), a
+//   compensated float64 pair (TwoSum) for float64 ones;
+// - the team's tree (warp shuffles, then one slot per warp) and the weight gradient's partial
+//   rows (8 bytes per column, 16 for float64 input) and finalize are Wide too;
+// - rstd = 1 / sqrt(sum / n + eps) and the backward's coefficient are taken in float64 and
+//   rounded once to A (the CPU bundle's math.rs does the same).
+// Why this split on a GPU: the per-element work stays one float32 FMA, as in a plain float32
+// kernel (a float64 conversion and add per element would run at the float64 rate, half of
+// float32's on sm_80/sm_90 data-centre parts but 1/64 on consumer parts, and cost more than the
+// loads), while the float64 work is per thread per 32 elements or 8 rows plus the per-row tree
+// (log2(team) shuffled adds and one division and square root per row), which the loads of the
+// row hide even on the parts with slow float64.
 
 typedef unsigned short u16;
 typedef long long i64;
@@ -126,34 +149,97 @@ __device__ __forceinline__ void store_pack(T* base, i64 index, const Pack<T, VEC
   }
 }
 
-template <typename A>
-__device__ __forceinline__ A warp_sum(A v) {
+// Elements a thread sums in A before adding the partial into the float64 level, and rows a
+// thread's weight-gradient columns take in A before they are folded into the block's row.
+#define FOLD_ELEMS 32
+#define FOLD_ROWS 8
+
+__device__ __forceinline__ double shfl_xor(double v, int offset) {
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+}
+
+// The float64 level of a sum of A partials (see "Sums" above). Adding two Wide values is
+// commutative bit for bit, so the lanes of a shuffle tree all end with the same sum.
+template <typename A> struct Wide;
+template <> struct Wide<float> {
+  double v;
+  static __device__ __forceinline__ Wide zero() {
+    Wide w;
+    w.v = 0.0;
+    return w;
+  }
+  __device__ __forceinline__ void add(float a) { v += (double)a; }
+  __device__ __forceinline__ void merge(const Wide& o) { v += o.v; }
+  __device__ __forceinline__ Wide shuffled(int offset) const {
+    Wide w;
+    w.v = shfl_xor(v, offset);
+    return w;
+  }
+  __device__ __forceinline__ double value() const { return v; }
+};
+// hi + lo with lo collecting the exact rounding error of every addition into hi (Knuth's
+// TwoSum, which FMA contraction cannot touch: it has no products).
+template <> struct Wide<double> {
+  double hi, lo;
+  static __device__ __forceinline__ Wide zero() {
+    Wide w;
+    w.hi = 0.0;
+    w.lo = 0.0;
+    return w;
+  }
+  __device__ __forceinline__ void add(double a) {
+    const double s = hi + a;
+    const double bb = s - hi;
+    lo += (hi - (s - bb)) + (a - bb);
+    hi = s;
+  }
+  __device__ __forceinline__ void merge(const Wide& o) {
+    const double s = hi + o.hi;
+    const double bb = s - hi;
+    lo = (lo + o.lo) + ((hi - (s - bb)) + (o.hi - bb));
+    hi = s;
+  }
+  __device__ __forceinline__ Wide shuffled(int offset) const {
+    Wide w;
+    w.hi = shfl_xor(hi, offset);
+    w.lo = shfl_xor(lo, offset);
+    return w;
+  }
+  // An infinite sum has a NaN error term (inf - inf): the sum alone is the answer.
+  __device__ __forceinline__ double value() const {
+    return fabs(hi) <= 1.7976931348623157e308 ? hi + lo : hi;
+  }
+};
+
+template <typename S>
+__device__ __forceinline__ S warp_sum(S v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = 16; offset > 0; offset >>= 1) v.merge(v.shuffled(offset));
   return v;
 }
 
 // Sum over the `team` threads of a team (team uniform across the block). Every thread of the
 // block must call it the same number of times. `red` holds one slot per warp of the block.
-template <typename A>
-__device__ __forceinline__ A team_sum(A v, int team, A* red) {
+template <typename S>
+__device__ __forceinline__ S team_sum(S v, int team, S* red) {
   v = warp_sum(v);
   if (team > 32) {
     const int warp = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) red[warp] = v;
     __syncthreads();
     const int first = (threadIdx.x / team) * (team >> 5);
-    A total = A(0);
-    for (int i = 0; i < (team >> 5); ++i) total += red[first + i];
+    S total = S::zero();
+    for (int i = 0; i < (team >> 5); ++i) total.merge(red[first + i]);
     __syncthreads();
     v = total;
   }
   return v;
 }
 
+// 1 / sqrt(sum_sq / n + eps), in float64, rounded once to A.
 template <typename A>
-__device__ __forceinline__ A inv_sqrt(A v) {
-  return A(1) / sqrt(v);
+__device__ __forceinline__ A rstd_of(double sum_sq, int n, float eps) {
+  return A(1.0 / sqrt(sum_sq / (double)n + (double)eps));
 }
 
 // x * r * w (w may be null) for one pack.
@@ -174,56 +260,84 @@ __device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr
   return out;
 }
 
-// ------------------------------------------------------------------------------------------
-// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
-// ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT>
-__device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const W* __restrict__ w,
-                                                 T* __restrict__ y,
-                                                 typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
-                                                 int n, int team, float eps_f32,
-                                                 i64 rows_per_group) {
+// Pack `v` of the forward's input row, adding its squares to `part`: x, or with a residual
+// h = x + residual rounded to T (written to h when `store_h`).
+template <typename T, int VEC, bool RESIDUAL>
+__device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* hr, int v,
+                                                   bool store_h, typename Elem<T>::Acc& part) {
   typedef typename Elem<T>::Acc A;
-  __shared__ A red[32];
+  Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
+  if constexpr (RESIDUAL) {
+    const Pack<T, VEC> q = load_pack<T, VEC>(rr, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const A sum = Elem<T>::load(p.e[e]) + Elem<T>::load(q.e[e]);
+      p.e[e] = Elem<T>::store(sum);  // h in x's dtype: the norm is of what is returned
+      const A hv = Elem<T>::load(p.e[e]);
+      part += hv * hv;
+    }
+    if (store_h) store_pack<T, VEC>(hr, v, p);
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const A a = Elem<T>::load(p.e[e]);
+      part += a * a;
+    }
+  }
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------
+// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the same of
+// h = x + residual, and h written.
+// ------------------------------------------------------------------------------------------
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
+__device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
+                                                 const T* __restrict__ residual,
+                                                 const W* __restrict__ w, T* __restrict__ y,
+                                                 T* __restrict__ h,
+                                                 typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
+                                                 int n, int team, float eps, i64 rows_per_group) {
+  typedef typename Elem<T>::Acc A;
+  typedef Wide<A> S;
+  __shared__ S red[32];
   const int teams = blockDim.x / team;
   const int lane = threadIdx.x % team;
   const int nv = n / VEC;
   const bool cached = nv <= team * VPT;
-  const A eps = A(eps_f32);
-  const A inv_n = A(1) / A(n);
+  const int fold_packs = FOLD_ELEMS / VEC;
   for (i64 base = (i64)blockIdx.x * teams; base < rows; base += (i64)gridDim.x * teams) {
     const i64 row = base + threadIdx.x / team;
     const bool valid = row < rows;
     const T* xr = x + row * n;
+    const T* rr = RESIDUAL ? residual + row * n : nullptr;
+    T* hr = RESIDUAL ? h + row * n : nullptr;
     T* yr = y + row * n;
     const W* wr = w ? w + (row / rows_per_group) * n : nullptr;
-    A ss = A(0);
+    S ss = S::zero();
+    A part = A(0);
     Pack<T, VEC> cache[VPT];
     if (cached) {
+      // At most VPT * VEC <= FOLD_ELEMS elements per thread: one partial.
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
-        if (valid && v < nv) {
-          cache[k] = load_pack<T, VEC>(xr, v);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const A a = Elem<T>::load(cache[k].e[e]);
-            ss += a * a;
-          }
-        }
+        if (valid && v < nv) cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
       }
     } else if (valid) {
+      int packs = 0;
       for (int v = lane; v < nv; v += team) {
-        const Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const A a = Elem<T>::load(p.e[e]);
-          ss += a * a;
+        load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+        if (++packs == fold_packs) {
+          ss.add(part);
+          part = A(0);
+          packs = 0;
         }
       }
     }
+    ss.add(part);
     ss = team_sum(ss, team, red);
-    const A r = inv_sqrt(ss * inv_n + eps);
+    const A r = rstd_of<A>(ss.value(), n, eps);
     if (!valid) continue;
     if (lane == 0) rstd[row] = r;
     if (cached) {
@@ -233,9 +347,62 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x, const 
         if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r));
       }
     } else {
-      for (int v = lane; v < nv; v += team)
-        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(load_pack<T, VEC>(xr, v), wr, v, r));
+      // Long rows: the input again (h recomputed from x and the residual rather than read
+      // back: h may not be read through the read-only cache that load_pack uses).
+      A unused = A(0);
+      for (int v = lane; v < nv; v += team) {
+        const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r));
+      }
     }
+  }
+}
+
+// `p`, with its value hidden from the optimizer: address arithmetic on it then stays where it
+// is written instead of being hoisted out of the enclosing loop. An empty inline-PTX move on the
+// device; nothing in the host emulator.
+template <typename P>
+__device__ __forceinline__ P* opaque(P* p) {
+#if defined(__CUDACC_RTC__)
+  asm volatile("mov.b64 %0, %0;" : "+l"(p));
+#endif
+  return p;
+}
+
+// The backward block's weight-gradient row at the float64 level: in shared memory (n Wide
+// values, which plan.rs gives such launches) when several teams add into it, else the block's
+// partial row itself, each of whose columns one thread owns.
+template <typename S>
+__device__ __forceinline__ S* weight_row(unsigned char* smem_raw, S* prow, int teams) {
+  return teams > 1 ? reinterpret_cast<S*>(smem_raw) : prow;
+}
+
+// Adds the threads' weight-gradient sums of the last rows (acc, in A) into the block's row
+// `wrow` at the float64 level (`fresh`: the row holds nothing yet) and clears them. Several
+// teams add in team order, between barriers (a fixed order: reproducible bits); one team owns
+// its columns. The row's addresses are computed here, per fold (see `opaque`): hoisted out of
+// the row loop they held about 16 registers through it, and the float32 kernel spilled its
+// cached rows.
+template <typename A, int VEC, int VPT>
+__device__ __forceinline__ void fold_rows(Wide<A>* wrow, A (&acc)[VPT][VEC], int teams,
+                                          int team_id, int team, int lane, int nv, bool fresh) {
+  wrow = opaque(wrow);
+  for (int t = 0; t < teams; ++t) {
+    if (team_id == t) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int v = lane + k * team;
+        if (v < nv)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            Wide<A> s = (fresh && t == 0) ? Wide<A>::zero() : wrow[v * VEC + e];
+            s.add(acc[k][e]);
+            wrow[v * VEC + e] = s;
+            acc[k][e] = A(0);
+          }
+      }
+    }
+    if (teams > 1) __syncthreads();
   }
 }
 
@@ -249,39 +416,43 @@ template <typename T, typename W, int VEC, int VPT>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
                                                  const typename Elem<T>::Acc* __restrict__ rstd,
                                                  const T* __restrict__ dy, T* __restrict__ dx,
-                                                 typename Elem<T>::Acc* __restrict__ partial,
+                                                 Wide<typename Elem<T>::Acc>* __restrict__ partial,
                                                  int n, int team, i64 chunk, i64 rows_per_group,
                                                  i64 blocks_per_group) {
   typedef typename Elem<T>::Acc A;
-  __shared__ A red[32];
+  typedef Wide<A> S;
+  __shared__ S red[32];
 #if defined(__CUDACC_RTC__)
   extern __shared__ unsigned char smem_raw[];
 #else
   unsigned char* smem_raw = emu_dynamic_shared();  // host emulator (tests only)
 #endif
-  A* smem = reinterpret_cast<A*>(smem_raw);
   const int teams = blockDim.x / team;
   const int team_id = threadIdx.x / team;
   const int lane = threadIdx.x % team;
   const int nv = n / VEC;
   const bool cached = nv <= team * VPT;
-  const A inv_n = A(1) / A(n);
+  const int fold_packs = FOLD_ELEMS / VEC;
+  // A float64 multiply in the row loop, not a division: the division's subroutine needs
+  // registers that the cached rows hold (it made the float32 kernel spill).
+  const double inv_n = 1.0 / (double)n;
   const i64 group = (i64)blockIdx.x / blocks_per_group;
   const i64 group_first = group * rows_per_group;
   const i64 first = group_first + ((i64)blockIdx.x % blocks_per_group) * chunk;
   const i64 last = min(group_first + rows_per_group, first + chunk);
   const W* wg = w ? w + group * n : nullptr;
-  A* prow = partial ? partial + (i64)blockIdx.x * n : nullptr;
+  S* prow = partial ? partial + (i64)blockIdx.x * n : nullptr;
   A acc[VPT][VEC];
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[k][e] = A(0);
   if (prow && !cached) {
-    // Streaming path (one team per block): the partial row itself is the accumulator.
-    for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = A(0);
+    // Streaming path (one team per block): each row's terms go straight into the partial row.
+    for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = S::zero();
     __syncthreads();
   }
+  int iterations = 0;  // of the row loop, the same in every thread: a fold every FOLD_ROWS
   for (i64 base = first; base < last; base += teams) {
     const i64 row = base + team_id;
     const bool valid = row < last;
@@ -289,7 +460,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     const T* dyr = dy + row * n;
     T* dxr = dx + row * n;
     const A r = valid ? rstd[row] : A(0);
-    A dot = A(0);
+    S dot = S::zero();
+    A part = A(0);
     Pack<T, VEC> xc[VPT], gc[VPT];
     if (cached) {
 #pragma unroll
@@ -300,6 +472,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           gc[k] = load_pack<T, VEC>(dyr, v);
         }
       }
+      // At most VPT * VEC <= FOLD_ELEMS elements per thread: one partial.
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
@@ -308,16 +481,17 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              dot += Elem<T>::load(gc[k].e[e]) * A(Elem<W>::load(wp.e[e])) *
-                     Elem<T>::load(xc[k].e[e]);
+              part += Elem<T>::load(gc[k].e[e]) * A(Elem<W>::load(wp.e[e])) *
+                      Elem<T>::load(xc[k].e[e]);
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              dot += Elem<T>::load(gc[k].e[e]) * Elem<T>::load(xc[k].e[e]);
+              part += Elem<T>::load(gc[k].e[e]) * Elem<T>::load(xc[k].e[e]);
           }
         }
       }
     } else if (valid) {
+      int packs = 0;
       for (int v = lane; v < nv; v += team) {
         const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
         const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
@@ -325,137 +499,143 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            dot += Elem<T>::load(gp.e[e]) * A(Elem<W>::load(wp.e[e])) * Elem<T>::load(xp.e[e]);
+            part += Elem<T>::load(gp.e[e]) * A(Elem<W>::load(wp.e[e])) * Elem<T>::load(xp.e[e]);
         } else {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) dot += Elem<T>::load(gp.e[e]) * Elem<T>::load(xp.e[e]);
+          for (int e = 0; e < VEC; ++e) part += Elem<T>::load(gp.e[e]) * Elem<T>::load(xp.e[e]);
+        }
+        if (++packs == fold_packs) {
+          dot.add(part);
+          part = A(0);
+          packs = 0;
         }
       }
     }
+    dot.add(part);
     dot = team_sum(dot, team, red);
-    if (!valid) continue;
-    const A c = dot * r * r * r * inv_n;
-    if (cached) {
+    if (valid) {
+      // rstd^3 * sum(g * x) / n in float64, rounded once.
+      const double rd = (double)r;
+      const A c = A(rd * rd * rd * (dot.value() * inv_n));
+      if (cached) {
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int v = lane + k * team;
-        if (v < nv) {
+        for (int k = 0; k < VPT; ++k) {
+          const int v = lane + k * team;
+          if (v < nv) {
+            Pack<T, VEC> out;
+            if (wg) {
+              const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                const A xa = Elem<T>::load(xc[k].e[e]);
+                const A ga = Elem<T>::load(gc[k].e[e]);
+                out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
+                acc[k][e] += ga * xa * r;
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e)
+                out.e[e] = Elem<T>::store(r * Elem<T>::load(gc[k].e[e]) -
+                                          Elem<T>::load(xc[k].e[e]) * c);
+            }
+            store_pack<T, VEC>(dxr, v, out);
+          }
+        }
+      } else {
+        for (int v = lane; v < nv; v += team) {
+          const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
+          const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
           Pack<T, VEC> out;
           if (wg) {
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-              const A xa = Elem<T>::load(xc[k].e[e]);
-              const A ga = Elem<T>::load(gc[k].e[e]);
+              const A xa = Elem<T>::load(xp.e[e]);
+              const A ga = Elem<T>::load(gp.e[e]);
               out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
-              acc[k][e] += ga * xa * r;
+              if (prow) prow[v * VEC + e].add(ga * xa * r);
             }
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              out.e[e] = Elem<T>::store(r * Elem<T>::load(gc[k].e[e]) -
-                                        Elem<T>::load(xc[k].e[e]) * c);
+              out.e[e] =
+                  Elem<T>::store(r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c);
           }
           store_pack<T, VEC>(dxr, v, out);
         }
       }
-    } else {
-      for (int v = lane; v < nv; v += team) {
-        const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
-        const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
-        Pack<T, VEC> out;
-        if (wg) {
-          const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const A xa = Elem<T>::load(xp.e[e]);
-            const A ga = Elem<T>::load(gp.e[e]);
-            out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
-            if (prow) prow[v * VEC + e] += ga * xa * r;
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            out.e[e] = Elem<T>::store(r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c);
-        }
-        store_pack<T, VEC>(dxr, v, out);
-      }
     }
+    if (prow && cached && ++iterations % FOLD_ROWS == 0)
+      fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
+                             nv, iterations == FOLD_ROWS);
   }
   if (!prow || !cached) return;
-  if (teams == 1) {
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int v = lane + k * team;
-      if (v < nv)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) prow[v * VEC + e] = acc[k][e];
-    }
-    return;
-  }
-  // Teams add their accumulators into shared memory in team order (same columns per lane).
-  for (int t = 0; t < teams; ++t) {
-    if (team_id == t) {
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int v = lane + k * team;
-        if (v < nv)
-#pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            smem[v * VEC + e] = (t == 0 ? A(0) : smem[v * VEC + e]) + acc[k][e];
-      }
-    }
-    __syncthreads();
-  }
-  for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = smem[c];
+  if (iterations % FOLD_ROWS != 0 || iterations == 0)
+    fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane, nv,
+                           iterations < FOLD_ROWS);
+  if (teams > 1)  // the last fold ended with a barrier: every team's sums are in
+    for (int c = threadIdx.x; c < n; c += blockDim.x)
+      prow[c] = weight_row(smem_raw, prow, teams)[c];
 }
 
 // dw[g * n + c] = sum over b in 0..blocks (blocks per group), in order, of partial[(g * blocks +
-// b) * n + c]. Grid: ceil(n / 32) blocks per group g, groups one after the other. Block (32, 8):
-// lane x owns a column, lane y the partial rows b = y, y + 8, ...; then the 8 sums are added in
-// y order.
+// b) * n + c], at the float64 level. Grid: ceil(n / 32) blocks per group g, groups one after
+// the other. Block (32, 8): lane x owns a column, lane y the partial rows b = y, y + 8, ...;
+// then the 8 sums are added in y order. Half-precision gradients are rounded through float32
+// (within one unit of the correctly rounded sum).
 template <typename A, typename W>
-__device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const A* __restrict__ partial, int blocks,
-                                                          int n, W* __restrict__ dw) {
-  __shared__ A sums[8][33];
+__device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restrict__ partial,
+                                                          int blocks, int n, W* __restrict__ dw) {
+  typedef Wide<A> S;
+  __shared__ S sums[8][33];
   const int column_blocks = (n + 31) / 32;
   const i64 group = (i64)blockIdx.x / column_blocks;
   const int c = (int)((i64)blockIdx.x % column_blocks) * 32 + threadIdx.x;
   partial += group * blocks * (i64)n;
   dw += group * n;
-  A s = A(0);
+  S s = S::zero();
   if (c < n)
-    for (int b = threadIdx.y; b < blocks; b += 8) s += partial[(i64)b * n + c];
+    for (int b = threadIdx.y; b < blocks; b += 8) s.merge(partial[(i64)b * n + c]);
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < n) {
-    A total = A(0);
+    S total = S::zero();
 #pragma unroll
-    for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
-    dw[c] = Elem<W>::store((typename Elem<W>::Acc)total);
+    for (int y = 0; y < 8; ++y) total.merge(sums[y][threadIdx.x]);
+    dw[c] = Elem<W>::store((typename Elem<W>::Acc)total.value());
   }
 }
 
 // ------------------------------------------------------------------------------------------
 // Entry points, stamped per (x dtype, weight dtype, vector width). Names:
-//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>
+//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_residual_fwd_<x>_w<w>_<v|s>,
+//   rmsnorm_bwd_finalize_<acc>_w<w>
 // `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses.
 // A null `w` means no weight. VPT (vectors cached per thread): forward 4 (blocks up to 1024
 // threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
 // thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
-// (8192 for float64) are read once.
+// (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
 // ------------------------------------------------------------------------------------------
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, i64 rows_per_group) {                                                      \
-    rmsnorm_fwd_impl<T, W, VEC, VPT>(x, w, y, rstd, rows, n, team, eps, rows_per_group);     \
+    rmsnorm_fwd_impl<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team,  \
+                                            eps, rows_per_group);                           \
+  }
+
+#define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
+      const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
+      int n, int team, float eps, i64 rows_per_group) {                                     \
+    rmsnorm_fwd_impl<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps,   \
+                                           rows_per_group);                                 \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
       const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, T* dx,                  \
-      Elem<T>::Acc* partial, int n, int team, i64 chunk, i64 rows_per_group,                 \
+      Wide<Elem<T>::Acc>* partial, int n, int team, i64 chunk, i64 rows_per_group,           \
       i64 blocks_per_group) {                                                                \
     rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dx, partial, n, team, chunk,            \
                                      rows_per_group, blocks_per_group);                      \
@@ -465,7 +645,9 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const A* __restrict__ 
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                          \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4)) \
-  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                 \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)
 
 STAMP(f32, float, f32, float)
 STAMP(f64, double, f64, double)
@@ -477,7 +659,7 @@ STAMP(f16, f16_t, f32, float)
 
 #define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
   extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \
-      const A* partial, int blocks, int n, W* dw) {                                           \
+      const Wide<A>* partial, int blocks, int n, W* dw) {                                     \
     rmsnorm_bwd_finalize_impl<A, W>(partial, blocks, n, dw);                                  \
   }
 

@@ -7,7 +7,7 @@ use crate::ffi::fake::{self, FakeContext, OwnedAttr};
 use crate::ffi::{ErrorCode, Stage};
 
 fn register() {
-    fake::register_bundle_types(&[FORWARD_BUNDLE, BACKWARD_BUNDLE]);
+    fake::register_bundle_types(&[FORWARD_BUNDLE, BACKWARD_BUNDLE, RESIDUAL_BUNDLE]);
 }
 
 use fake::instantiate;
@@ -22,7 +22,7 @@ fn forward_attrs(eps: f32, row_len: i64) -> Vec<(&'static str, OwnedAttr)> {
 
 #[test]
 fn bundles_are_command_buffer_compatible_and_have_an_initialize_stage() {
-    for def in [&FORWARD_BUNDLE, &BACKWARD_BUNDLE] {
+    for def in [&FORWARD_BUNDLE, &BACKWARD_BUNDLE, &RESIDUAL_BUNDLE] {
         assert_eq!(def.traits, Traits::COMMAND_BUFFER_COMPATIBLE);
         assert!(def.handler(Stage::Initialize).is_some());
         assert!(def.handler(Stage::Instantiate).is_some());
@@ -38,6 +38,9 @@ fn attributes_are_validated_before_any_library_is_needed() {
     assert!(msg.contains("invalid attribute `eps`"), "{msg}");
     let (_, msg) = instantiate(&ctx, &FORWARD_BUNDLE, forward_attrs(f32::NAN, 8)).unwrap_err();
     assert!(msg.contains("got NaN"), "{msg}");
+    let (code, msg) = instantiate(&ctx, &RESIDUAL_BUNDLE, forward_attrs(-1.0, 8)).unwrap_err();
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(msg.contains("invalid attribute `eps`"), "{msg}");
     let (code, msg) = instantiate(
         &ctx,
         &BACKWARD_BUNDLE,

@@ -123,6 +123,7 @@ struct Run {
   size_t dynamic_bytes = 0;
   std::atomic<int> current{-1};
   int barrier_token = 0;  // TSan's synchronization object for the block barrier
+  bool reusable = false;  // the fibers finished a block and can run the next (see fiber_main)
 #if EMU_TSAN
   void* tsan_scheduler = nullptr;
 #endif
@@ -185,13 +186,21 @@ void fiber_main() {
 #if EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_bottom, &run.scheduler_stack_size);
 #endif
-  // The first switch into every fiber only starts it (see run_block): kernel code runs from
-  // the second one on.
-  to_scheduler(false);
-  run.kernel->invoke(run.params);
-  run.fibers[run.current.load(std::memory_order_relaxed)].state.store((int)State::Exited, std::memory_order_relaxed);
-  to_scheduler(true);
-  abort();  // never resumed
+  // The first switch into every fiber for a block only starts it (see run_block): kernel code
+  // runs from the second one on. A fiber that finished a block waits at the end of the loop
+  // and takes the next block of the launch from the top, so later blocks cost no new contexts
+  // (getcontext/makecontext/swapcontext make system calls for the signal mask: they were most
+  // of the time of launches with many blocks). Under the sanitizers every block starts fresh
+  // fibers instead (their fiber bookkeeping is per block).
+  for (;;) {
+    to_scheduler(false);
+    run.kernel->invoke(run.params);
+    run.fibers[run.current.load(std::memory_order_relaxed)].state.store((int)State::Exited, std::memory_order_relaxed);
+    to_scheduler(true);
+#if EMU_UCONTEXT_ONLY
+    abort();  // never resumed
+#endif
+  }
 }
 
 void enqueue_shuffled(Run& run, std::vector<int>& ids) {
@@ -354,6 +363,7 @@ void run_block(Run& run, dim3 bid) {
     Fiber& f = run.fibers[i];
     ++run.warp_live[f.warp];
     f.state.store((int)State::Runnable, std::memory_order_relaxed);
+    if (run.reusable) continue;  // waiting at the end of fiber_main's loop (see there)
     f.started = false;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack;
@@ -383,6 +393,9 @@ void run_block(Run& run, dim3 bid) {
     switch_to(run, id, false);
     arrived(run, id);
   }
+#if !EMU_UCONTEXT_ONLY
+  run.reusable = !run.failed;  // every fiber exited normally: each waits for the next block
+#endif
   for (size_t i = 0; i < run.dynamic_bytes + kGuardBytes; ++i)
     if (i >= run.dynamic_bytes && run.dynamic[i] != 0xff) {
       fail_run(run, format("block (%u,%u,%u) wrote past the end of its %zu bytes of dynamic shared "

@@ -25,6 +25,8 @@ enum Type { F32, F64, BF16, F16 };
 const char* kName[] = {"f32", "f64", "bf16", "f16"};
 size_t bytes_of(Type t) { return t == F64 ? 8 : t == F32 ? 4 : 2; }
 Type acc_of(Type t) { return t == F64 ? F64 : F32; }
+// Bytes of the kernels' Wide<acc> (the weight-gradient partials): a float64, or two.
+size_t wide_bytes_of(Type acc) { return acc == F64 ? 16 : 8; }
 
 unsigned f2u(float f) {
   unsigned u;
@@ -142,9 +144,12 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
                     " teams=" + std::to_string(fwd_team) + "/" + std::to_string(bwd_team);
   Buffer x(count * bytes_of(xt)), dy(count * bytes_of(xt)), y(count * bytes_of(xt)),
       dx(count * bytes_of(xt)), rstd(rows * bytes_of(at)),
-      w(weight ? groups * n * bytes_of(wt) : 0), dw(weight ? groups * n * bytes_of(wt) : 0);
+      w(weight ? groups * n * bytes_of(wt) : 0), dw(weight ? groups * n * bytes_of(wt) : 0),
+      res(count * bytes_of(xt)), h(count * bytes_of(xt)), hy(count * bytes_of(xt)),
+      hrstd(rows * bytes_of(at));
   uint64_t s = seed * 7919;
   for (size_t i = 0; i < count; ++i) set(xt, x.p, i, rnd(s)), set(xt, dy.p, i, rnd(s));
+  for (size_t i = 0; i < count; ++i) set(xt, res.p, i, rnd(s));
   if (weight)
     for (size_t i = 0; i < groups * n; ++i) set(wt, w.p, i, 1.0 + 0.25 * rnd(s));
   // float64 reference from the rounded inputs.
@@ -180,18 +185,41 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
             (uint64_t)fwd_team, f2u(1e-5f), rpg});
     check("y", tag, xt, y.p, ry, tol);
     check("rstd", tag, at, rstd.p, rr, tol);
+    // The fused residual forward: h = x + residual rounded to xt (bit for bit), its norm.
+    snprintf(name, sizeof name, "rmsnorm_residual_fwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+    launch(find(name), (unsigned)((rows + fteams - 1) / fteams), emu::Dim{fblock, 1, 1}, 0,
+           {x.addr(), res.addr(), weight ? w.addr() : 0, hy.addr(), h.addr(), hrstd.addr(), rows,
+            (uint64_t)n, (uint64_t)fwd_team, f2u(1e-5f), rpg});
+    Buffer want_h(count * bytes_of(xt));
+    for (size_t i = 0; i < count; ++i)
+      set(xt, want_h.p, i, get(xt, x.p, i) + get(xt, res.p, i));
+    if (memcmp(h.p, want_h.p, count * bytes_of(xt)) != 0) {
+      fprintf(stderr, "MISMATCH h %s: not x + residual rounded\n", tag.c_str());
+      ++failures;
+    }
+    std::vector<double> rhy(count);
+    for (size_t r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (int j = 0; j < n; ++j) ss += get(xt, h.p, r * n + j) * get(xt, h.p, r * n + j);
+      const double rs = 1.0 / sqrt(ss / n + (double)1e-5f);
+      for (int j = 0; j < n; ++j) {
+        const double wj = weight ? get(wt, w.p, (r / rpg) * n + j) : 1.0;
+        rhy[r * n + j] = get(xt, h.p, r * n + j) * rs * wj;
+      }
+    }
+    check("residual y", tag, xt, hy.p, rhy, tol);
   }
   // Backward: blocks of 512, bwd_team threads per row, up to max_blocks per group.
   const int vpt = (vec && bytes_of(xt) == 4) ? 8 : 4;
   const int teams = 512 / bwd_team;
   const bool cached = n / VEC <= bwd_team * vpt;
   if (!cached && bwd_team != 512) return;  // the streaming path takes one team per block
-  const unsigned smem = (teams > 1 && cached) ? n * (unsigned)bytes_of(at) : 0;
+  const unsigned smem = (teams > 1 && cached) ? n * (unsigned)wide_bytes_of(at) : 0;
   size_t bpg = rpg ? (rpg + teams - 1) / teams : 1;
   if (bpg > (size_t)max_blocks) bpg = max_blocks;
   const size_t chunk = rpg ? (rpg + bpg - 1) / bpg : 1;
   bpg = rpg ? (rpg + chunk - 1) / chunk : 1;
-  Buffer partial(weight ? groups * bpg * n * bytes_of(at) : 0);
+  Buffer partial(weight ? groups * bpg * n * wide_bytes_of(at) : 0);
   snprintf(name, sizeof name, "rmsnorm_bwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
   if (rows > 0) {
     launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
