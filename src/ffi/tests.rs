@@ -784,15 +784,14 @@ fn device_memory_is_returned_and_stream_errors_are_reported() {
 #[test]
 fn registration_lists_are_consistent() {
     crate::handlers::check_all().unwrap();
-    use crate::handlers::contract::{BACKWARD_TARGET, FORWARD_TARGET, TARGETS};
-    // Per platform: the CPU has every target of the contract, CUDA all but the fused residual
-    // forward.
+    use crate::handlers::contract::TARGETS;
+    // Every platform has every target of the contract.
     let targets = |platform: &str| -> Vec<&str> {
         let bundles = crate::handlers::bundles(platform).unwrap();
         bundles.iter().map(|b| b.target).collect()
     };
     assert_eq!(targets("cpu"), TARGETS);
-    assert_eq!(targets("cuda"), [FORWARD_TARGET, BACKWARD_TARGET]);
+    assert_eq!(targets("cuda"), TARGETS);
     let types = crate::handlers::state_types("cpu").unwrap();
     let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
     names.dedup();
