@@ -253,8 +253,7 @@ def _batch_spec(value):
 
 
 def _fold(args, dims, roles: str, weight_batched_out: bool):
-    """Operands for one call over the folded batch, and whether the weight-like ones are now
-    batched. `roles` names each operand: x-like ('x') or weight-like ('w'). A weight broadcast
+    """Operands for one call over the folded batch. `roles` names each operand: x-like ('x') or weight-like ('w'). A weight broadcast
     along the batch is sharded like x's batch axis, so its gradient is too."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     weights = [(a, d) for a, d, r in zip(args, dims, roles) if r == "w"]
@@ -273,31 +272,31 @@ def _fold(args, dims, roles: str, weight_batched_out: bool):
             out.append(_to_front(a, d, size, spec))
         else:
             out.append(a)
-    return out, batch_weight
+    return out
 
 
 def _forward_batch(args, dims, *, eps, has_weight):
     roles = "xw" if has_weight else "x"
-    folded, _ = _fold(args, dims, roles, weight_batched_out=False)
+    folded = _fold(args, dims, roles, weight_batched_out=False)
     return forward_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0]
 
 
 def _residual_batch(args, dims, *, eps, has_weight):
-    folded, _ = _fold(args, dims, "xxw" if has_weight else "xx", weight_batched_out=False)
+    folded = _fold(args, dims, "xxw" if has_weight else "xx", weight_batched_out=False)
     return residual_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0, 0]
 
 
 def _backward_batch(args, dims, *, has_weight):
     # Per-example weight gradients: the weight is batched whenever anything is.
     roles = "xwxx" if has_weight else "xxx"
-    folded, _ = _fold(args, dims, roles, weight_batched_out=True)
+    folded = _fold(args, dims, roles, weight_batched_out=True)
     out = backward_p.bind(*folded, has_weight=has_weight)
     return out, [0] * len(out)
 
 
 def _tangent_batch(args, dims, *, has_weight):
     roles = "xwxxw" if has_weight else "xxx"
-    folded, _ = _fold(args, dims, roles, weight_batched_out=False)
+    folded = _fold(args, dims, roles, weight_batched_out=False)
     return tangent_p.bind(*folded, has_weight=has_weight), [0, 0]
 
 
@@ -311,15 +310,15 @@ batching.primitive_batchers[residual_p] = _residual_batch
 # Differentiation
 
 
-def _instantiate(tangent, primal):
+def _instantiate(tangent):
     return ad.instantiate_zeros(tangent) if type(tangent) is ad.Zero else tangent
 
 
 def _forward_jvp(primals, tangents, *, eps, has_weight):
     x, w = primals if has_weight else (primals[0], None)
     y, rstd = forward(x, w, eps)
-    tx = _instantiate(tangents[0], x)
-    tw = _instantiate(tangents[1], w) if has_weight else None
+    tx = _instantiate(tangents[0])
+    tw = _instantiate(tangents[1]) if has_weight else None
     ty, trstd = _tangent(x, w, rstd, tx, tw)
     return (y, rstd), (ty, trstd)
 
@@ -331,9 +330,9 @@ def _residual_jvp(primals, tangents, *, eps, has_weight):
     if type(tx) is ad.Zero and type(tres) is ad.Zero:
         th = jnp.zeros(h.shape, h.dtype)
     else:
-        th = _instantiate(tx, x) if type(tres) is ad.Zero else (
-            _instantiate(tres, res) if type(tx) is ad.Zero else tx + tres)
-    tw = _instantiate(tangents[2], w) if has_weight else None
+        th = _instantiate(tx) if type(tres) is ad.Zero else (
+            _instantiate(tres) if type(tx) is ad.Zero else tx + tres)
+    tw = _instantiate(tangents[2]) if has_weight else None
     ty, trstd = _tangent(h, w, rstd, th, tw)
     return (y, h, rstd), (ty, th, trstd)
 
