@@ -322,7 +322,11 @@ fn long_rows_reduce_in_many_column_blocks() {
 #[test]
 fn weight_gradient_is_bitwise_identical_whatever_the_thread_count() {
     register();
-    let dims = [512, 256];
+    let dims = [2048, 512];
+    // Several chunks, so that each thread count splits the rows among its threads differently
+    // (one chunk would make the comparison trivial).
+    let chunks = super::plan::Plan::backward(2048, 512, partial_rows(512)).count();
+    assert!(chunks >= 4, "{chunks} chunks");
     let runs: Vec<Vec<u64>> = [1, 2, 4, 7]
         .iter()
         .map(|&threads| {
