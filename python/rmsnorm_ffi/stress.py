@@ -607,8 +607,9 @@ class _Harness:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
-    def run_workers(self, executables, rounds, seconds, churn: bool) -> float:
-        """Runs the workers (and the churn thread); returns the seconds they took."""
+    def run_workers(self, executables, rounds, seconds, churn: bool, show: bool = True) -> float:
+        """Runs the workers (and the churn thread); returns the seconds they took. `show`: print
+        the progress bar meanwhile."""
         o = self.o
         deadline = None if seconds is None else time.monotonic() + seconds
         barrier = threading.Barrier(o["threads"] + 1)
@@ -632,14 +633,14 @@ class _Harness:
             if not workers_done.is_set() and not any(t.is_alive() for t in workers):
                 workers_done.set()
             now = time.monotonic()
-            if churn and now - last >= (0.2 if sys.stderr.isatty() else 5.0):
+            if show and now - last >= (0.2 if sys.stderr.isatty() else 5.0):
                 last = now
                 if deadline is not None:
                     fraction = (now - start) / seconds
                 else:
                     done = sum(c.calls for c in self.worker_counters) - calls_before
                     fraction = done / planned if planned else 1.0
-                if o["churn_cycles"]:
+                if churn and o["churn_cycles"]:
                     fraction = min(fraction, self.churn_cycles / o["churn_cycles"])
                 self.progress(fraction)
         workers_done.set()
@@ -689,7 +690,7 @@ class _Harness:
         steady_before = sum(c.calls for c in self.worker_counters)
         steady_stats = rmsnorm_ffi.stats()
         if o["steady_rounds"]:
-            self.run_workers(executables, o["steady_rounds"], None, churn=False)
+            self.run_workers(executables, o["steady_rounds"], None, churn=False, show=False)
         steady_after = rmsnorm_ffi.stats()
         steady_calls = sum(c.calls for c in self.worker_counters) - steady_before
         steady_allocations = steady_after["workspace_allocations"] - steady_stats["workspace_allocations"]
