@@ -9,7 +9,10 @@ mod testing;
 
 use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
 use rmsnorm_ffi::ffi::{DataType, ErrorCode, Stage, StateType};
-use testing::{StagesState, CONTEXT_BUNDLE, STAGES_BUNDLE};
+use rmsnorm_ffi::state::snapshot;
+use testing::{
+    ReverseState, StagesState, CONTEXT_BUNDLE, REVERSE_BUNDLE, REVERSE_TARGET, STAGES_BUNDLE,
+};
 
 #[test]
 fn panics_in_every_stage_become_errors() {
@@ -64,7 +67,84 @@ fn context_queries_and_thread_pool() {
 }
 
 #[test]
-fn the_fixture_library_exports_its_three_bundles() {
+fn the_reverse_bundle_and_its_broken_variants_one_execution_at_a_time() {
+    // One thread: every variant computes `scale * x[..., ::-1]` except `history` on its 16th
+    // execution; only `leaky` leaves its state registered after the deleter ran. (The race of
+    // `shared_scratch` needs concurrent executions: tests/python/test_stress_api.py.)
+    fake::register_type(ReverseState::registration()).unwrap();
+    let live = || {
+        snapshot()
+            .states
+            .iter()
+            .filter(|s| s.target == REVERSE_TARGET)
+            .count()
+    };
+    let x: Vec<f32> = (0..8).map(|v| v as f32).collect();
+    for variant in ["pooled", "shared_scratch", "history", "leaky"] {
+        let before = live();
+        {
+            let ctx = FakeContext::new();
+            let attrs = |b: FrameBuilder| {
+                b.attr("row_len", OwnedAttr::scalar(4i64))
+                    .attr("scale", OwnedAttr::scalar(2.0f32))
+                    .attr("variant", OwnedAttr::string(variant))
+            };
+            attrs(FrameBuilder::new(Stage::Instantiate))
+                .build(&ctx)
+                .call(REVERSE_BUNDLE.handler(Stage::Instantiate).unwrap())
+                .unwrap();
+            for k in 0..16 {
+                let mut frame = attrs(FrameBuilder::new(Stage::Execute))
+                    .arg(OwnedBuffer::from_values(&[2, 4], &x))
+                    .ret(OwnedBuffer::zeros(DataType::F32, &[2, 4]))
+                    .build(&ctx);
+                frame
+                    .call(REVERSE_BUNDLE.handler(Stage::Execute).unwrap())
+                    .unwrap();
+                let mut want = vec![6.0f32, 4.0, 2.0, 0.0, 14.0, 12.0, 10.0, 8.0];
+                if variant == "history" && k == 15 {
+                    want[0] += 1.0;
+                }
+                assert_eq!(
+                    frame.result(0).values::<f32>(),
+                    want,
+                    "{variant}, execution {k}"
+                );
+            }
+            assert_eq!(live(), before + 1, "{variant}");
+        } // dropping the context runs the deleter
+        let leaked = if variant == "leaky" { 1 } else { 0 };
+        assert_eq!(live(), before + leaked, "{variant}");
+    }
+}
+
+#[test]
+fn the_reverse_bundle_refuses_bad_attributes() {
+    fake::register_type(ReverseState::registration()).unwrap();
+    for (row_len, scale, variant, problem) in [
+        (
+            4i64,
+            1.0f32,
+            "pooled!",
+            "attribute `variant`: expected pooled, shared_scratch",
+        ),
+        (0, 1.0, "pooled", "attribute `row_len`: must be in 1..="),
+        (4, f32::NAN, "pooled", "attribute `scale`: must be finite"),
+    ] {
+        let ctx = FakeContext::new();
+        let error = FrameBuilder::new(Stage::Instantiate)
+            .attr("row_len", OwnedAttr::scalar(row_len))
+            .attr("scale", OwnedAttr::scalar(scale))
+            .attr("variant", OwnedAttr::string(variant))
+            .build(&ctx)
+            .call(REVERSE_BUNDLE.handler(Stage::Instantiate).unwrap())
+            .unwrap_err();
+        assert!(error.1.contains(problem), "{}", error.1);
+    }
+}
+
+#[test]
+fn the_fixture_library_exports_its_four_bundles() {
     // The table `export_library!` builds, read as register_library reads a loaded library's.
     let library = rmsnorm_ffi::ffi::library::read_own(testing::library_table(), "fixture").unwrap();
     let bundles: Vec<_> = library
@@ -78,6 +158,7 @@ fn the_fixture_library_exports_its_three_bundles() {
             ("rmsnorm_ffi_testing_stages", "cpu", 4, Some(0)),
             ("rmsnorm_ffi_testing_context", "cpu", 1, None),
             ("rmsnorm_ffi_testing_attrs", "cpu", 1, None),
+            ("rmsnorm_ffi_testing_reverse", "cpu", 2, Some(1)),
         ]
     );
     assert_eq!(

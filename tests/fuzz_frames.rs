@@ -54,6 +54,7 @@ fn bundles() -> &'static [BundleDef] {
             testing::STAGES_BUNDLE,
             testing::CONTEXT_BUNDLE,
             testing::ATTRS_BUNDLE,
+            testing::REVERSE_BUNDLE,
         ]);
         all
     })
@@ -248,6 +249,26 @@ fn honest_attrs(target: &str) -> BoxedStrategy<Vec<(String, OwnedAttr)>> {
                 vec![
                     ("start".into(), OwnedAttr::scalar(start)),
                     ("step".into(), OwnedAttr::scalar(step)),
+                ]
+            })
+            .boxed(),
+        "rmsnorm_ffi_testing_reverse" => (
+            row_len,
+            prop::sample::select(vec![0.5f32, f32::NAN]).prop_map(OwnedAttr::scalar),
+            prop::sample::select(vec![
+                "pooled",
+                "shared_scratch",
+                "history",
+                "leaky",
+                "other",
+            ])
+            .prop_map(OwnedAttr::string),
+        )
+            .prop_map(|(n, s, v)| {
+                vec![
+                    ("row_len".into(), n),
+                    ("scale".into(), s),
+                    ("variant".into(), v),
                 ]
             })
             .boxed(),

@@ -53,6 +53,43 @@ def live_states() -> int:
     return sum(1 for s in rmsnorm_ffi.stats()["states"] if s["target"] == TARGET)
 
 
+def stress_spec():
+    """The counter as a stress spec (`rmsnorm_ffi.stress`): its result depends on how many
+    executions came before, so there is no reference, only a property: every value is
+    `start + step * k` with `k >= 0`, and no `k` comes back twice from one call site however
+    many threads run it at once (two executions that saw the same count would be a race on
+    the state). Each executable gets its own `start` (index x 10^9), so values of different
+    call sites never mix. A fresh spec each call: the values seen are the spec's own.
+
+        python -m rmsnorm_ffi.stress --library target/bundles/libcounter_bundle.so \
+            --spec examples/counter_bundle/counter.py:stress_spec -t 4 -k 3 -n 100
+    """
+    import threading
+
+    from rmsnorm_ffi import stress
+
+    seen: set[tuple[int, int]] = set()
+    lock = threading.Lock()
+
+    def cases(index, rng):
+        return stress.Inputs(start=index * 10**9, step=1 + index % 3)
+
+    def fn(*, start, step):
+        return counter(start, step)
+
+    def check(value, *, start, step):
+        k, rest = divmod(int(value) - start, step)
+        if rest or k < 0:
+            return f"{int(value)} is not {start} + {step} * k for any k >= 0"
+        with lock:
+            if (start, k) in seen:
+                return f"count {k} came back twice from one call site: two executions saw the same count"
+            seen.add((start, k))
+        return None
+
+    return stress.Spec(fn=fn, cases=cases, check=check, name=TARGET)
+
+
 def main() -> None:
     @jax.jit
     def two_counters():

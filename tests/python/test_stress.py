@@ -1,6 +1,7 @@
 """The stress harness (`python -m rmsnorm_ffi.stress`), run as users run it: in a fresh
 process, reading its JSON summary and exit status. Sized for a 2-core CI machine."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -54,11 +55,14 @@ def test_one_executable_from_many_threads_shares_one_state_per_call_site(tmp_pat
         "--kinds", "grad+w", "--shapes", "64x4096", "--dtypes", "bfloat16",
     )
     assert_clean(summary)
-    assert summary["calls"] == 16 * 200 + 1
-    assert summary["states_created"] == 2  # one state per call site, for 3201 executions each
-    assert summary["executions"] == {"rmsnorm_fwd": 16 * 200 + 1, "rmsnorm_bwd": 16 * 200 + 1}
+    # The warm-up call, 200 rounds per thread, and 3 steady rounds per thread after them.
+    calls = 1 + 16 * 200 + 16 * 3
+    assert summary["calls"] == calls
+    assert summary["states_created"] == 2  # one state per call site, for every execution
+    assert summary["executions"] == {"rmsnorm_fwd": calls, "rmsnorm_bwd": calls}
     # The pool grows to the number of executions in flight at once, never per call.
-    assert summary["workspace_allocations_after_warmup"] <= 16
+    assert summary["workspace_allocations_during_run"] <= 16
+    assert summary["workspace_allocations_after_warmup"] <= 16 and summary["steady_calls"] == 16 * 3
 
 
 def test_four_host_devices_one_state_serves_all(tmp_path):
@@ -103,21 +107,17 @@ def test_bad_options_are_refused():
     assert result.returncode == 2 and "expected some of" in result.stderr
 
 
-def test_a_wrong_result_fails_the_run(monkeypatch, capsys):
-    # The harness must notice: corrupt the reference of every executable it builds.
-    real_init = stress.Executable.__init__
-
-    def corrupted(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.want[0] = self.want[0] + 1.0
-
-    monkeypatch.setattr(stress.Executable, "__init__", corrupted)
-    status = stress.main(["-q", "-t", "2", "-k", "2", "-n", "3", "--no-churn", "--shapes", "4x64"])
+def test_a_wrong_result_fails_the_run(capsys):
+    # The harness must notice: the RMS norm spec with a reference that is off by one.
+    spec = stress.rms_norm_spec(shapes=[(4, 64)])
+    wrong = dataclasses.replace(spec, reference=lambda *a, **k: [v + 1.0 for v in stress.numpy_reference(*a, **k)])
+    report = wrong.run(threads=2, executables=2, calls=3, churn=False, steady_rounds=0, progress=False)
     out = capsys.readouterr().out
-    assert status == 1
+    assert report.exit_status == 1 and not report.ok
     # Every call mismatched: 2 threads x 2 executables x 3 rounds, and the 2 warm-up calls.
+    assert report.calls == report.mismatches == 14
     assert "calls: 14 " in out and "mismatches: 14 " in out, out
-    assert "differs from jnp" in out and out.strip().endswith("FAILED")
+    assert "differs from the reference" in out and out.strip().endswith("FAILED")
 
 
 def test_a_leaked_state_fails_the_run(monkeypatch, capsys):
