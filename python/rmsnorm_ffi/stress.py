@@ -938,10 +938,10 @@ TOLERANCES = {
     "bfloat16": (2e-2, 2e-2),
     "float16": (4e-3, 4e-3),
 }
-# Small shapes stress the call path; the last two span several parallel chunks, so their
-# backward uses the pooled weight-gradient partials.
+# Small shapes stress the call path; the last two span several parallel chunks of the backward
+# (256K elements each), so their weight gradients are summed over pooled partial rows.
 SHAPES = [(1, 128), (7, 96), (16, 1000), (32, 256), (64, 512), (8, 4096), (128, 64), (4, 2048),
-          (64, 4096), (512, 384)]
+          (128, 4096), (1024, 384)]
 KINDS = ("fwd", "fwd+w", "grad", "grad+w")
 EPS_CHOICES = (1e-6, 1e-5, 1e-3)
 
@@ -1150,7 +1150,7 @@ def parser() -> argparse.ArgumentParser:
     rms.add_argument("--kinds", type=_choices(KINDS), default=None,
                      help="comma-separated kinds to draw from: fwd, fwd+w, grad, grad+w (default: all)")
     rms.add_argument("--shapes", type=_shapes, default=None,
-                     help="comma-separated ROWSxCOLS shapes to draw from (default: a mix from 1x128 to 64x4096)")
+                     help="comma-separated ROWSxCOLS shapes to draw from (default: a mix from 1x128 to 128x4096)")
     p.add_argument("--seed", type=int, default=0, help="seed for the inputs and schedules (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -48,11 +48,11 @@ def test_sixteen_threads_four_executables_and_500_churn_cycles(tmp_path):
 
 
 def test_one_executable_from_many_threads_shares_one_state_per_call_site(tmp_path):
-    # A weighted gradient over 64x4096 bf16: two call sites (forward and backward), and a
+    # A weighted gradient over 128x4096 bf16: two call sites (forward and backward), and a
     # backward split into chunks whose weight-gradient partials come from the state's pool.
     summary = run_stress(
         tmp_path, "-t", "16", "-k", "1", "-n", "200", "--no-churn",
-        "--kinds", "grad+w", "--shapes", "64x4096", "--dtypes", "bfloat16",
+        "--kinds", "grad+w", "--shapes", "128x4096", "--dtypes", "bfloat16",
     )
     assert_clean(summary)
     # The warm-up call, 200 rounds per thread, and 3 steady rounds per thread after them.

@@ -110,5 +110,10 @@ mod tests {
             Plan::split(256, 4096, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS).count(),
             16
         );
+        // The stress harness's largest shapes (`rmsnorm_ffi.stress.SHAPES`) span several
+        // backward chunks, so their weight gradients go through the partial rows.
+        assert_eq!(Plan::backward(256, 4096, MAX_BACKWARD_CHUNKS).count(), 4);
+        assert_eq!(Plan::backward(128, 4096, MAX_BACKWARD_CHUNKS).count(), 2);
+        assert_eq!(Plan::backward(1024, 384, MAX_BACKWARD_CHUNKS).count(), 2);
     }
 }
