@@ -277,50 +277,8 @@ impl Execute for GpuForward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let ForwardOperands {
-            x,
-            w,
-            y,
-            rstd,
-            layout,
-            ..
-        } = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        if layout.rows == 0 {
-            return Ok(());
-        }
-        let cell = forward_slot(state, ctx, Stage::Execute)?;
-        let slot = cell
-            .get()
-            .ok_or_else(|| FfiError::internal("device not loaded"))?;
-        let wd = w.as_ref().map(|w| w.dtype());
-        let (xp, wp, yp, rp) = (
-            addr(x.device_ptr()),
-            weight_ptr(&w),
-            addr(y.device_ptr()),
-            addr(rstd.device_ptr()),
-        );
-        let vectorized = layout.n > 0 && plan::can_vectorize(x.dtype(), layout.n, &[xp, wp, yp]);
-        let index = kernels::kernel_index(Direction::Forward, x.dtype(), wd, vectorized)
-            .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
-        let launch = plan::forward_launch(x.dtype(), layout.n, layout.rows, vectorized);
-        let config = LaunchConfig {
-            grid: launch.grid,
-            block: (launch.block, 1),
-            shared_bytes: launch.shared_bytes,
-        };
-        slot.module
-            .launch(index, config)?
-            .ptr("x", xp)
-            .ptr("w", wp)
-            .ptr("y", yp)
-            .ptr("rstd", rp)
-            .i64("rows", layout.rows as i64)
-            .i32("n", layout.n as i32)
-            .i32("team", launch.team as i32)
-            .f32("eps", state.eps)
-            .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
-            .enqueue(ctx.stream()?)?;
-        Ok(())
+        let forward = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        launch_forward(state, ctx, &forward, None)
     }
 }
 
@@ -338,60 +296,74 @@ impl Execute for GpuResidualForward {
     ) -> FfiResult<()> {
         state.live.record_execution();
         let ResidualOperands {
-            forward:
-                ForwardOperands {
-                    x,
-                    w,
-                    y,
-                    rstd,
-                    layout,
-                    ..
-                },
+            forward,
             residual,
             h,
         } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
-        if layout.rows == 0 {
-            return Ok(());
-        }
-        let cell = forward_slot(state, ctx, Stage::Execute)?;
-        let slot = cell
-            .get()
-            .ok_or_else(|| FfiError::internal("device not loaded"))?;
-        let wd = w.as_ref().map(|w| w.dtype());
-        let (xp, resp, wp, yp, hp, rp) = (
-            addr(x.device_ptr()),
-            addr(residual.device_ptr()),
-            weight_ptr(&w),
-            addr(y.device_ptr()),
-            addr(h.device_ptr()),
-            addr(rstd.device_ptr()),
-        );
-        let vectorized =
-            layout.n > 0 && plan::can_vectorize(x.dtype(), layout.n, &[xp, resp, wp, yp, hp]);
-        let index = kernels::kernel_index(Direction::Residual, x.dtype(), wd, vectorized)
-            .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
-        let launch = plan::forward_launch(x.dtype(), layout.n, layout.rows, vectorized);
-        let config = LaunchConfig {
-            grid: launch.grid,
-            block: (launch.block, 1),
-            shared_bytes: launch.shared_bytes,
-        };
-        slot.module
-            .launch(index, config)?
-            .ptr("x", xp)
-            .ptr("residual", resp)
-            .ptr("w", wp)
-            .ptr("y", yp)
-            .ptr("h", hp)
-            .ptr("rstd", rp)
-            .i64("rows", layout.rows as i64)
-            .i32("n", layout.n as i32)
-            .i32("team", launch.team as i32)
-            .f32("eps", state.eps)
-            .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
-            .enqueue(ctx.stream()?)?;
-        Ok(())
+        let fused = (addr(residual.device_ptr()), addr(h.device_ptr()));
+        launch_forward(state, ctx, &forward, Some(fused))
     }
+}
+
+/// Enqueues the forward kernel on the call's stream, or with `fused = Some((residual, h))` the
+/// fused residual-add kernel, whose parameters are the forward's with the residual after x
+/// and h after y. The vectorized kernel when every pointer it loads or stores allows it.
+fn launch_forward(
+    state: &GpuForwardState,
+    ctx: &Context<'_>,
+    ops: &ForwardOperands<'_, '_, Cuda>,
+    fused: Option<(u64, u64)>,
+) -> FfiResult<()> {
+    let layout = ops.layout;
+    if layout.rows == 0 {
+        return Ok(());
+    }
+    let cell = forward_slot(state, ctx, Stage::Execute)?;
+    let slot = cell
+        .get()
+        .ok_or_else(|| FfiError::internal("device not loaded"))?;
+    let (xd, wd) = (ops.x.dtype(), ops.w.as_ref().map(|w| w.dtype()));
+    let (xp, wp, yp, rp) = (
+        addr(ops.x.device_ptr()),
+        weight_ptr(&ops.w),
+        addr(ops.y.device_ptr()),
+        addr(ops.rstd.device_ptr()),
+    );
+    let (direction, vectorized) = match fused {
+        None => (
+            Direction::Forward,
+            plan::can_vectorize(xd, layout.n, &[xp, wp, yp]),
+        ),
+        Some((resp, hp)) => (
+            Direction::Residual,
+            plan::can_vectorize(xd, layout.n, &[xp, resp, wp, yp, hp]),
+        ),
+    };
+    let vectorized = layout.n > 0 && vectorized;
+    let index = kernels::kernel_index(direction, xd, wd, vectorized)
+        .ok_or_else(|| missing_kernel(xd, wd))?;
+    let launch = plan::forward_launch(xd, layout.n, layout.rows, vectorized);
+    let config = LaunchConfig {
+        grid: launch.grid,
+        block: (launch.block, 1),
+        shared_bytes: launch.shared_bytes,
+    };
+    let mut call = slot.module.launch(index, config)?.ptr("x", xp);
+    if let Some((resp, _)) = fused {
+        call = call.ptr("residual", resp);
+    }
+    call = call.ptr("w", wp).ptr("y", yp);
+    if let Some((_, hp)) = fused {
+        call = call.ptr("h", hp);
+    }
+    call.ptr("rstd", rp)
+        .i64("rows", layout.rows as i64)
+        .i32("n", layout.n as i32)
+        .i32("team", launch.team as i32)
+        .f32("eps", state.eps)
+        .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
+        .enqueue(ctx.stream()?)?;
+    Ok(())
 }
 
 impl Execute for GpuBackward {
