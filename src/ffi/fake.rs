@@ -106,9 +106,12 @@ unsafe extern "C" fn type_register(args: *mut XLA_FFI_Type_Register_Args) -> *mu
     // SAFETY: the name span is readable.
     let name = unsafe { std::slice::from_raw_parts(args.name.ptr.cast::<u8>(), args.name.len) };
     let name = String::from_utf8_lossy(name).into_owned();
+    // The id is read under the registry's lock, which its writer below holds too: two threads
+    // registering the same cell at once (parallel tests) then see one assign the id and the
+    // other register again through it, not both an unset id.
+    let mut types = TYPES.lock();
     // SAFETY: `type_id` is a valid in-out pointer.
     let requested = unsafe { (*args.type_id).type_id };
-    let mut types = TYPES.lock();
     match (types.get(&name).map(|(id, _)| *id), requested) {
         (Some(id), 0) => make_error(
             ErrorCode::Internal,
