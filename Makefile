@@ -132,14 +132,16 @@ python-test: develop bundles
 # extension and of libraries built on the crate (the FFI runtime is API 0.5 there, our handlers
 # report 0.3), errors and the bad-input matrix, the stage and state contract, threads, devices,
 # and every file on sharding, AD, export or distributed running, present and future (the globs).
-# Left to .venv/ alone: the README, demo, bench and stress tests (minutes, and about our scripts
+# The general stress harness's API tests too (about 40 s: it AOT-compiles, clears JAX's caches
+# under other threads and reads JAX's errors, which each jax may do its own way). Left to .venv/
+# alone: the README, demo, bench and our norm's stress runs (minutes, and about our scripts
 # rather than jax). The extension is the abi3 wheel built with .venv's interpreter: `maturin
 # develop` for a 3.12 venv would rebuild pyo3 and the crate (about 25 s, and again for .venv after
 # it); this way cargo has nothing to do. The bundle libraries need no Python: the same files.
 NEW_STACK_TESTS = $(sort $(wildcard $(addprefix tests/python/, test_rmsnorm.py test_flax.py \
 	test_contract.py test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py \
 	test_register_library.py test_example_bundle.py test_attributes.py \
-	test_stages_and_context.py test_stateful.py test_concurrency.py test_batching.py test_*sharding*.py test_ad*.py \
+	test_stages_and_context.py test_stateful.py test_concurrency.py test_stress_api.py test_batching.py test_*sharding*.py test_ad*.py \
 	test_*_ad.py test_*_ad_*.py test_*export*.py test_*distributed*.py)))
 
 python-test-new: $(DEPS) $(DEPS_NEW) bundles
