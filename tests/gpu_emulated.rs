@@ -418,16 +418,23 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
         dw: dwb.iter().map(|b| b.read()).collect(),
     };
     drop((xb, wb, yb, rb, dyb, dxb, dwb));
+    clean_teardown(fake, &before, "the states' deleters")?;
+    Ok(out)
+}
+
+/// After a run's buffers and states are gone: the device memory is back where it was before
+/// the run (`whose` freed it, or failed to), and no guard zone around a buffer was written.
+fn clean_teardown(fake: &Fake, before: &emu::Counters, whose: &str) -> Result<(), String> {
     let after = fake.counters();
     if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
         return Err(format!(
-            "the states' deleters left device memory behind: {before:?} -> {after:?}"
+            "{whose} left device memory behind: {before:?} -> {after:?}"
         ));
     }
     if after.guard_failures != before.guard_failures {
         return Err(format!("guard zones overwritten: {}", fake.last_error()));
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Runs one case: GPU forward and backward (twice) against float64 and against the CPU bundles;
@@ -577,15 +584,7 @@ fn run_residual_gpu(
     }
     let out = (decode(xd, &yb.read()), hb.read(), decode(ad, &rb.read()));
     drop((xb, resb, wb, yb, hb, rb));
-    let after = fake.counters();
-    if after.driver_bytes != before.driver_bytes || after.outstanding != before.outstanding {
-        return Err(format!(
-            "the residual state's deleter left device memory behind: {before:?} -> {after:?}"
-        ));
-    }
-    if after.guard_failures != before.guard_failures {
-        return Err(format!("guard zones overwritten: {}", fake.last_error()));
-    }
+    clean_teardown(fake, &before, "the residual state's deleter")?;
     Ok(out)
 }
 
