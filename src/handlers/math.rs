@@ -193,12 +193,35 @@ impl Accum for f64 {
     }
 }
 
+/// A slice of one of the element types the explicit AVX-512 loops take (`cpu::avx512`), as its
+/// concrete type; `Other` sends a call to the portable loops here.
+pub enum Typed<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    Other,
+}
+
+/// [`Typed`] for an output slice.
+pub enum TypedMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    Other,
+}
+
 /// A floating-point element type of x, weight, dy and the outputs.
 pub trait Element: NativeType + Default {
     fn to_f32(self) -> f32;
     fn to_f64(self) -> f64;
     fn from_f32(v: f32) -> Self;
     fn from_f64(v: f64) -> Self;
+    /// This slice as its concrete type, for the types the explicit AVX-512 loops cover.
+    fn typed(_s: &[Self]) -> Typed<'_> {
+        Typed::Other
+    }
+    /// [`Element::typed`] for an output slice.
+    fn typed_mut(_s: &mut [Self]) -> TypedMut<'_> {
+        TypedMut::Other
+    }
 }
 
 impl Element for f32 {
@@ -217,6 +240,14 @@ impl Element for f32 {
     #[inline(always)]
     fn from_f64(v: f64) -> Self {
         v as f32
+    }
+    #[inline(always)]
+    fn typed(s: &[Self]) -> Typed<'_> {
+        Typed::F32(s)
+    }
+    #[inline(always)]
+    fn typed_mut(s: &mut [Self]) -> TypedMut<'_> {
+        TypedMut::F32(s)
     }
 }
 
@@ -275,6 +306,14 @@ impl Element for bf16 {
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
+    #[inline(always)]
+    fn typed(s: &[Self]) -> Typed<'_> {
+        Typed::Bf16(s)
+    }
+    #[inline(always)]
+    fn typed_mut(s: &mut [Self]) -> TypedMut<'_> {
+        TypedMut::Bf16(s)
+    }
 }
 
 impl Element for f16 {
@@ -326,6 +365,13 @@ impl RowSum {
             hi: [0.0; LANES],
             lo: [0.0; LANES],
         }
+    }
+
+    /// A sum from its float64 lanes and their error terms (as `cpu::avx512` keeps them, in
+    /// vector registers).
+    #[inline(always)]
+    pub fn from_lanes(hi: [f64; LANES], lo: [f64; LANES]) -> Self {
+        RowSum { hi, lo }
     }
 
     /// Adds one block of accumulators.
@@ -397,18 +443,25 @@ pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
         }
         sum.add(&acc);
     }
+    sum.add(&tail_squares::<T, A>(tail));
+    sum.total()
+}
+
+/// The last block of a row's sum of squares: its tail of fewer than [`LANES`] elements, one per
+/// lane.
+#[inline(always)]
+pub fn tail_squares<T: Element, A: Accum>(tail: &[T]) -> [A; LANES] {
     let mut acc = [A::ZERO; LANES];
     for (a, &e) in acc.iter_mut().zip(tail) {
         let v = A::load(e);
         *a = *a + v * v;
     }
-    sum.add(&acc);
-    sum.total()
+    acc
 }
 
 /// `1 / sqrt(sum_sq / n + eps)`, taken in float64 and rounded once to `A`.
 #[inline(always)]
-fn rstd_of<A: Accum>(sum_sq: f64, n: usize, eps: A) -> A {
+pub fn rstd_of<A: Accum>(sum_sq: f64, n: usize, eps: A) -> A {
     A::from_f64(1.0 / (sum_sq / n as f64 + eps.to_f64()).sqrt())
 }
 

@@ -10,6 +10,8 @@
 //! `vmap_method="broadcast_all"` produces when the weight is mapped too): rows are then split
 //! into that many contiguous groups, each with its own weight row and weight-gradient row.
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod plan;
 pub mod simd;
 
@@ -250,6 +252,41 @@ fn forward_dispatch(
     }
 }
 
+/// The forward pass over one chunk's `rstd.len()` consecutive rows of `n`, in the loops that
+/// are fastest for this instruction set and these types (all bit-identical). Runs inside
+/// `kernel.run`.
+#[inline(always)]
+pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
+    kernel: Kernel,
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+    y: &mut [T],
+    rstd: &mut [A],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Kernel::Avx512(v4) = kernel {
+        if avx512::forward_rows::<T, W, A>(v4, x, n, w_of, eps, y, rstd) {
+            return;
+        }
+    }
+    if std::mem::size_of::<T>() == 2 {
+        // Half precision is bound by conversions, not memory: overlapping the next row's sum
+        // with this row's write pays (bit-identical results).
+        forward_rows::<T, W, A>(x, n, w_of, eps, y, rstd);
+    } else {
+        for (i, ((y_row, r), x_row)) in y
+            .chunks_exact_mut(n)
+            .zip(rstd.iter_mut())
+            .zip(x.chunks_exact(n))
+            .enumerate()
+        {
+            *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
+        }
+    }
+}
+
 struct ForwardCall<'s, 'c, 'a> {
     state: &'s ForwardState,
     ctx: &'c Context<'a>,
@@ -315,20 +352,7 @@ impl ForwardCall<'_, '_, '_> {
                         None => &x[span.clone()],
                     };
                     let w_of = |i: usize| w.map(|w| &w[((first + i) / per_group) * n..][..n]);
-                    if std::mem::size_of::<T>() == 2 {
-                        // Half precision is bound by conversions, not memory: overlapping the
-                        // next row's sum with this row's write pays (bit-identical results).
-                        forward_rows::<T, W, A>(x_rows, n, w_of, eps, y, rstd);
-                    } else {
-                        for (i, ((y_row, r), x_row)) in y
-                            .chunks_exact_mut(n)
-                            .zip(rstd.iter_mut())
-                            .zip(x_rows.chunks_exact(n))
-                            .enumerate()
-                        {
-                            *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
-                        }
-                    }
+                    forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd);
                 },
             )
         };

@@ -518,3 +518,67 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
         check::<f32, f32>(n, rows);
     }
 }
+
+#[test]
+fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
+    // `forward_chunk` takes the explicit AVX-512 loops where they apply (two rows' sums at once,
+    // then column tiles), and the portable loops elsewhere: every path gives row by row's bits.
+    fn check<T: Element, W: Element, A: Accum>(n: usize, rows: usize, groups: usize) {
+        let mut xs = values(n * rows, 11);
+        // Non-finite and overflowing values, in the first tile and the last.
+        for (at, v) in [(3, f32::NAN), (n + 5, f32::INFINITY), (2 * n + 1, 3e38)] {
+            if let Some(slot) = xs.get_mut(at) {
+                *slot = v;
+            }
+        }
+        if let Some(last) = xs.last_mut() {
+            *last = -1e-30;
+        }
+        let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
+        let w: Vec<W> = values(n * groups, 12)
+            .into_iter()
+            .map(|v| W::from_f32(v + 2.5))
+            .collect();
+        let per_group = rows.div_ceil(groups);
+        let eps = A::from_f32(1e-5);
+        for weighted in [true, false] {
+            let w_of = |i: usize| weighted.then(|| &w[(i / per_group) * n..][..n]);
+            let (mut want_y, mut want_r) = (vec![T::default(); n * rows], vec![A::ZERO; rows]);
+            Kernel::Scalar.run(|| {
+                for (i, (y, r)) in want_y.chunks_exact_mut(n).zip(&mut want_r).enumerate() {
+                    *r = math::forward_row::<T, W, A>(&x[i * n..][..n], w_of(i), eps, y);
+                }
+            });
+            for kernel in Kernel::available() {
+                let (mut y, mut r) = (vec![T::default(); n * rows], vec![A::ZERO; rows]);
+                kernel.run(|| forward_chunk::<T, W, A>(kernel, &x, n, w_of, eps, &mut y, &mut r));
+                let what = format!("{kernel:?} n={n} rows={rows} groups={groups} w={weighted}");
+                let first_diff = bits(&y)
+                    .iter()
+                    .zip(bits(&want_y))
+                    .position(|(a, b)| *a != b);
+                assert_eq!(first_diff, None, "y {what}");
+                let rbits = |r: &[A]| r.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                assert_eq!(rbits(&r), rbits(&want_r), "rstd {what}");
+            }
+        }
+    }
+    for (n, rows, groups) in [
+        (1, 1, 1),
+        (7, 3, 1),
+        (16, 2, 2),
+        (33, 5, 1),
+        (128, 9, 3),
+        (1024, 3, 1),
+        (1040, 4, 2),
+        (2500, 3, 3),
+        (4097, 2, 1),
+        (4096, 17, 1),
+    ] {
+        check::<f32, f32, f32>(n, rows, groups);
+        check::<bf16, bf16, f32>(n, rows, groups);
+        check::<bf16, f32, f32>(n, rows, groups);
+        check::<f16, f32, f32>(n, rows, groups);
+        check::<f64, f32, f64>(n, rows, groups);
+    }
+}
