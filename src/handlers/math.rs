@@ -61,9 +61,18 @@ pub trait WideSum: Copy + Default + Send + Sync + 'static {
     fn add(self, v: f64) -> Self;
     fn merge(self, other: Self) -> Self;
     fn value(self) -> f64;
+    /// These sums as float64 values, when they are plain float64 (for the explicit AVX-512
+    /// loops, `cpu::avx512`).
+    fn typed_mut(_s: &mut [Self]) -> Option<&mut [f64]> {
+        None
+    }
 }
 
 impl WideSum for f64 {
+    #[inline(always)]
+    fn typed_mut(s: &mut [Self]) -> Option<&mut [f64]> {
+        Some(s)
+    }
     #[inline(always)]
     fn add(self, v: f64) -> Self {
         self + v
@@ -631,9 +640,7 @@ fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[
                 }
                 sum.add(&acc);
             }
-            for (((a, &xi), &di), &wi) in acc.iter_mut().zip(xt).zip(dt).zip(wt) {
-                *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
-            }
+            acc = tail_dot(xt, dt, wt, r);
         }
         None => {
             for (xk, dk) in blocks {
@@ -652,9 +659,20 @@ fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[
     sum.total()
 }
 
+/// The last block of a row's `sum(g * xhat)` with a weight: its tail of fewer than [`LANES`]
+/// elements, one per lane.
+#[inline(always)]
+pub fn tail_dot<T: Element, W: Element, A: Accum>(x: &[T], dy: &[T], w: &[W], r: A) -> [A; LANES] {
+    let mut acc = [A::ZERO; LANES];
+    for (((a, &xi), &di), &wi) in acc.iter_mut().zip(x).zip(dy).zip(w) {
+        *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
+    }
+    acc
+}
+
 /// `mean(g * xhat)` of a row of `n`, rounded once to `A`.
 #[inline(always)]
-fn mean_of<A: Accum>(sum: f64, n: usize) -> A {
+pub fn mean_of<A: Accum>(sum: f64, n: usize) -> A {
     A::from_f64(sum / n as f64)
 }
 

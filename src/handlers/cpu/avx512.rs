@@ -11,6 +11,11 @@
 //!    weight stays in L1 while every row uses it, and the chunk's x (at most 256 KiB) is
 //!    re-read from L2.
 //!
+//! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
+//! AVX-512 context it is compiled into. A second `V4::vectorize` nested in that context kept
+//! LLVM from inlining the bfloat16 backward's body, whose intrinsics then ran as calls (20x
+//! slower).
+//!
 //! bfloat16 rows are scaled 32 elements at a time in even and odd lanes: one load widens
 //! them, and one ternary-logic instruction puts the two rounded halves back together, where
 //! 16 lanes at a time needed a lane-crossing widen and narrow per 16 elements (the scaling
@@ -35,8 +40,8 @@ use half::bf16;
 use pulp::x86::V4;
 
 use crate::handlers::math::{
-    rstd_of, sum_squares, tail_squares, Accum, Element, RowSum, Typed, TypedMut, BLOCK_CHUNKS,
-    LANES,
+    mean_of, rstd_of, sum_squares, tail_dot, tail_squares, Accum, Element, RowSum, Typed, TypedMut,
+    WideSum, BLOCK_CHUNKS, LANES,
 };
 
 /// Columns per tile of the scaling pass: 4 KiB of a float32 weight.
@@ -122,21 +127,20 @@ impl Lane for bf16 {
     #[inline(always)]
     fn load(s: V4, v: &[bf16; LANES]) -> __m512 {
         let f = s.avx512f;
-        let bits: __m256i = pulp::cast(v.map(bf16::to_bits));
+        let bits: __m256i = pulp::cast(*v);
         f._mm512_castsi512_ps(f._mm512_slli_epi32::<16>(f._mm512_cvtepu16_epi32(bits)))
     }
     #[inline(always)]
     fn store(s: V4, v: __m512) -> [bf16; LANES] {
         let f = s.avx512f;
         let high = f._mm512_srli_epi32::<16>(round_bf16_high(s, v));
-        let narrow: [u16; LANES] = pulp::cast(f._mm512_cvtepi32_epi16(high));
-        narrow.map(bf16::from_bits)
+        pulp::cast(f._mm512_cvtepi32_epi16(high))
     }
     /// One load: an even element is the low half of a 32-bit lane, an odd one the high half.
     #[inline(always)]
     fn load_even_odd(s: V4, v: &[bf16; 2 * LANES]) -> (__m512, __m512) {
         let f = s.avx512f;
-        let bits: __m512i = pulp::cast(v.map(bf16::to_bits));
+        let bits: __m512i = pulp::cast(*v);
         let odd = f._mm512_and_si512(bits, f._mm512_set1_epi32(-0x1_0000));
         (
             f._mm512_castsi512_ps(f._mm512_slli_epi32::<16>(bits)),
@@ -167,8 +171,7 @@ impl Lane for bf16 {
             f._mm512_srli_epi32::<16>(he),
             f._mm512_set1_epi32(-0x1_0000),
         );
-        let bits: [u16; 2 * LANES] = pulp::cast(both);
-        bits.map(bf16::from_bits)
+        pulp::cast(both)
     }
 }
 
@@ -242,24 +245,21 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
         rstd.fill(A::NAN);
         return;
     }
-    s.vectorize(
-        #[inline(always)]
-        || {
-            let rows = rstd.len();
-            let row = |i: usize| &x[i * n..(i + 1) * n];
-            let mut i = 0;
-            while i + 1 < rows {
-                let (a, b) = sum_squares_pair(s, row(i), row(i + 1));
-                rstd[i] = rstd_of(a, n, eps);
-                rstd[i + 1] = rstd_of(b, n, eps);
-                i += 2;
-            }
-            if i < rows {
-                rstd[i] = rstd_of(sum_squares::<X, f32>(row(i)), n, eps);
-            }
-            scale_rows(s, &x[..rows * n], n, w_of, rstd, &mut y[..rows * n]);
-        },
-    )
+    {
+        let rows = rstd.len();
+        let row = |i: usize| &x[i * n..(i + 1) * n];
+        let mut i = 0;
+        while i + 1 < rows {
+            let (a, b) = sum_squares_pair(s, row(i), row(i + 1));
+            rstd[i] = rstd_of(a, n, eps);
+            rstd[i + 1] = rstd_of(b, n, eps);
+            i += 2;
+        }
+        if i < rows {
+            rstd[i] = rstd_of(sum_squares::<X, f32>(row(i)), n, eps);
+        }
+        scale_rows(s, &x[..rows * n], n, w_of, rstd, &mut y[..rows * n]);
+    }
 }
 
 /// `math::RowSum` in four vectors: its 16 float64 lanes and their error terms. Adding a block
@@ -379,6 +379,246 @@ fn scale_rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
                         *o = X::from_f32(xi.to_f32() * r);
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Elements of x (and as many of dy) per group of rows in the backward: a group's x and dy
+/// (256 KiB in float32) stay in L2 between the dot products and the second pass.
+const BACKWARD_GROUP_ELEMENTS: usize = 32 * 1024;
+/// Most rows per group (the group's coefficients live on the stack).
+const BACKWARD_GROUP_ROWS: usize = 64;
+
+/// The backward pass with a weight and its gradient over `rstd.len()` consecutive rows of `n`,
+/// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining each
+/// row's `dy * xhat` in row order), when x is float32 or bfloat16, the weight float32 or
+/// bfloat16 and the accumulator float32. Returns false, having written nothing, for any other
+/// types. Rows go in groups: the dot products of two rows at a time, then the second pass in
+/// column tiles over the group's rows, so a tile of the weight and of the float64 gradient
+/// row stays in L1 while every row of the group adds to it.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_rows<T: Element, W: Element, A: Accum>(
+    s: V4,
+    x: &[T],
+    dy: &[T],
+    n: usize,
+    w: &[W],
+    rstd: &[A],
+    dx: &mut [T],
+    acc: &mut [A::Wide],
+) -> bool {
+    if TypeId::of::<A>() != TypeId::of::<f32>() {
+        return false;
+    }
+    let Some(acc) = A::Wide::typed_mut(acc) else {
+        return false;
+    };
+    match (T::typed(x), T::typed(dy), T::typed_mut(dx)) {
+        (Typed::F32(x), Typed::F32(dy), TypedMut::F32(dx)) => {
+            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+        }
+        (Typed::Bf16(x), Typed::Bf16(dy), TypedMut::Bf16(dx)) => {
+            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+        }
+        _ => false,
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn backward_with_weight<X: Lane, W: Element, A: Accum>(
+    s: V4,
+    x: &[X],
+    dy: &[X],
+    n: usize,
+    w: &[W],
+    rstd: &[A],
+    dx: &mut [X],
+    acc: &mut [f64],
+) -> bool {
+    match W::typed(w) {
+        Typed::F32(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
+        Typed::Bf16(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
+        Typed::Other => return false,
+    }
+    true
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn backward_groups<X: Lane, W: Lane, A: Accum>(
+    s: V4,
+    x: &[X],
+    dy: &[X],
+    n: usize,
+    w: &[W],
+    rstd: &[A],
+    dx: &mut [X],
+    acc: &mut [f64],
+) {
+    if n == 0 {
+        return;
+    }
+    let group = (BACKWARD_GROUP_ELEMENTS / n).clamp(1, BACKWARD_GROUP_ROWS);
+    {
+        // rstd is float32 here, so the conversions are exact.
+        let r_of = |i: usize| rstd[i].to_f64() as f32;
+        let rows = rstd.len();
+        for g0 in (0..rows).step_by(group) {
+            let g1 = (g0 + group).min(rows);
+            let row = |i: usize| i * n..(i + 1) * n;
+            let mut c = [0f32; BACKWARD_GROUP_ROWS];
+            let mut i = g0;
+            while i < g1 {
+                if i + 1 < g1 {
+                    let (a, b) = dot_pair(
+                        s,
+                        (&x[row(i)], &dy[row(i)], r_of(i)),
+                        (&x[row(i + 1)], &dy[row(i + 1)], r_of(i + 1)),
+                        w,
+                    );
+                    c[i - g0] = mean_of::<f32>(a, n);
+                    c[i + 1 - g0] = mean_of::<f32>(b, n);
+                    i += 2;
+                } else {
+                    let (a, _) =
+                        dot_pair(s, (&x[row(i)], &dy[row(i)], r_of(i)), (&[], &[], 0.0), w);
+                    c[i - g0] = mean_of::<f32>(a, n);
+                    i += 1;
+                }
+            }
+            let span = g0 * n..g1 * n;
+            backward_tiles(
+                s,
+                (&x[span.clone()], &dy[span.clone()]),
+                n,
+                w,
+                (&rstd[g0..g1], &c[..g1 - g0]),
+                &mut dx[span],
+                acc,
+            );
+        }
+    }
+}
+
+/// `sum(g * xhat)` with `g = dy * w`, `xhat = x * r` of two rows (`x`, `dy`, `r`) sharing the
+/// weight, each in `math`'s order. An empty second row gives 0 for it.
+#[inline(always)]
+fn dot_pair<X: Lane, W: Lane>(
+    s: V4,
+    a: (&[X], &[X], f32),
+    b: (&[X], &[X], f32),
+    w: &[W],
+) -> (f64, f64) {
+    let f = s.avx512f;
+    let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
+    let (ra, rb) = (f._mm512_set1_ps(a.2), f._mm512_set1_ps(b.2));
+    let (wc, wt) = w.as_chunks::<LANES>();
+    let (xa, xat) = a.0.as_chunks::<LANES>();
+    let (da, dat) = a.1.as_chunks::<LANES>();
+    let pair = !b.0.is_empty();
+    let (xb, xbt) = b.0.as_chunks::<LANES>();
+    let (db, dbt) = b.1.as_chunks::<LANES>();
+    for (k, wk) in wc.chunks(BLOCK_CHUNKS).enumerate() {
+        let blocks = k * BLOCK_CHUNKS..k * BLOCK_CHUNKS + wk.len();
+        let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
+        if pair {
+            for (((ws, xs), ds), (ys, es)) in wk
+                .iter()
+                .zip(&xa[blocks.clone()])
+                .zip(&da[blocks.clone()])
+                .zip(xb[blocks.clone()].iter().zip(&db[blocks.clone()]))
+            {
+                let wv = W::load(s, ws);
+                qa = dot_step(s, qa, xs, ds, wv, ra);
+                qb = dot_step(s, qb, ys, es, wv, rb);
+            }
+            sb.add(s, qb);
+        } else {
+            for ((ws, xs), ds) in wk.iter().zip(&xa[blocks.clone()]).zip(&da[blocks]) {
+                qa = dot_step(s, qa, xs, ds, W::load(s, ws), ra);
+            }
+        }
+        sa.add(s, qa);
+    }
+    sa.add(s, pulp::cast(tail_dot::<X, W, f32>(xat, dat, wt, a.2)));
+    if !pair {
+        return (sa.total(), 0.0);
+    }
+    sb.add(s, pulp::cast(tail_dot::<X, W, f32>(xbt, dbt, wt, b.2)));
+    (sa.total(), sb.total())
+}
+
+/// `acc + (dy * w) * (x * r)`, lane by lane.
+#[inline(always)]
+fn dot_step<X: Lane>(
+    s: V4,
+    acc: __m512,
+    x: &[X; LANES],
+    dy: &[X; LANES],
+    w: __m512,
+    r: __m512,
+) -> __m512 {
+    let f = s.avx512f;
+    let g = f._mm512_mul_ps(X::load(s, dy), w);
+    f._mm512_add_ps(acc, f._mm512_mul_ps(g, f._mm512_mul_ps(X::load(s, x), r)))
+}
+
+/// The second pass of a group's rows, [`TILE`] columns of every row at a time:
+/// `dx = r * (dy * w - xhat * c)` and `acc += dy * xhat` (in float64, row by row).
+#[inline(always)]
+fn backward_tiles<X: Lane, W: Lane, A: Accum>(
+    s: V4,
+    (x, dy): (&[X], &[X]),
+    n: usize,
+    w: &[W],
+    (rstd, c): (&[A], &[f32]),
+    dx: &mut [X],
+    acc: &mut [f64],
+) {
+    let f = s.avx512f;
+    for t0 in (0..n).step_by(TILE) {
+        let cols = t0..(t0 + TILE).min(n);
+        let (wb, wt) = w[cols.clone()].as_chunks::<LANES>();
+        let (ab, at) = acc[cols.clone()].as_chunks_mut::<LANES>();
+        for (((xr, dr), or), (r, &c)) in x
+            .chunks_exact(n)
+            .zip(dy.chunks_exact(n))
+            .zip(dx.chunks_exact_mut(n))
+            .zip(rstd.iter().zip(c))
+        {
+            // rstd is float32 here, so the conversion is exact.
+            let r = r.to_f64() as f32;
+            let (rv, cv) = (f._mm512_set1_ps(r), f._mm512_set1_ps(c));
+            let (xb, xt) = xr[cols.clone()].as_chunks::<LANES>();
+            let (db, dt) = dr[cols.clone()].as_chunks::<LANES>();
+            let (ob, ot) = or[cols.clone()].as_chunks_mut::<LANES>();
+            for ((((os, xs), ds), ws), accs) in
+                ob.iter_mut().zip(xb).zip(db).zip(wb).zip(ab.iter_mut())
+            {
+                let h = f._mm512_mul_ps(X::load(s, xs), rv);
+                let d = X::load(s, ds);
+                let g = f._mm512_mul_ps(d, W::load(s, ws));
+                *os = X::store(
+                    s,
+                    f._mm512_mul_ps(rv, f._mm512_sub_ps(g, f._mm512_mul_ps(h, cv))),
+                );
+                let p: [__m256; 2] = pulp::cast(f._mm512_mul_ps(d, h));
+                let mut a: [__m512d; 2] = pulp::cast(*accs);
+                for (a, p) in a.iter_mut().zip(p) {
+                    *a = f._mm512_add_pd(*a, f._mm512_cvtps_pd(p));
+                }
+                *accs = pulp::cast(a);
+            }
+            for ((((o, &xi), &di), &wi), a) in
+                ot.iter_mut().zip(xt).zip(dt).zip(wt).zip(at.iter_mut())
+            {
+                let h = xi.to_f32() * r;
+                let d = di.to_f32();
+                *o = X::from_f32(r * (d * wi.to_f32() - h * c));
+                *a += (d * h) as f64;
             }
         }
     }

@@ -403,6 +403,7 @@ struct BackwardInputs<'a, T, W, A> {
     w: Option<&'a [W]>,
     n: usize,
     rows_per_group: usize,
+    kernel: Kernel,
 }
 
 impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
@@ -423,6 +424,12 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
         if let (Some(w), Some(acc), true) = (w_of(0), acc.as_deref_mut(), one_group) {
             // One weight row for all these rows: two rows per loop (see `math`).
             let (x, dy) = (&self.x[span.clone()], &self.dy[span]);
+            #[cfg(target_arch = "x86_64")]
+            if let Kernel::Avx512(v4) = self.kernel {
+                if avx512::backward_rows::<T, W, A>(v4, x, dy, n, w, rstd, dx_rows, acc) {
+                    return;
+                }
+            }
             return backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx_rows, acc);
         }
         backward_rows::<T, W, A>(
@@ -466,6 +473,7 @@ impl BackwardCall<'_, '_, '_> {
             w,
             n,
             rows_per_group,
+            kernel,
         };
 
         let Some(dw) = dw else {

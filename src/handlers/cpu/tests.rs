@@ -582,3 +582,84 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         check::<f64, f32, f64>(n, rows, groups);
     }
 }
+
+#[test]
+fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
+    // `BackwardInputs::rows_from` takes the explicit AVX-512 loops where they apply (two rows'
+    // dot products at once, then column tiles over groups of rows), the two-rows loop or row
+    // by row elsewhere: every path gives row by row's bits for dx and the weight gradient.
+    fn check<T: Element, W: Element>(n: usize, rows: usize) {
+        let mut xs = values(n * rows, 21);
+        for (at, v) in [(n + 2, f32::NAN), (2 * n + 3, f32::INFINITY), (3, 3e38)] {
+            if let Some(slot) = xs.get_mut(at) {
+                *slot = v;
+            }
+        }
+        let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
+        let dy: Vec<T> = values(n * rows, 22).into_iter().map(T::from_f32).collect();
+        let w: Vec<W> = values(n, 23)
+            .into_iter()
+            .map(|v| W::from_f32(v + 2.5))
+            .collect();
+        let rstd: Vec<f32> = values(rows, 24)
+            .into_iter()
+            .map(|v| v.abs() + 0.5)
+            .collect();
+        let (mut want_dx, mut want_acc) = (vec![T::default(); n * rows], vec![0f64; n]);
+        // Accumulate onto a nonzero partial row, as a chunk's second call would.
+        want_acc
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, a)| *a = j as f64 * 0.25);
+        let start_acc = want_acc.clone();
+        Kernel::Scalar.run(|| {
+            math::backward_rows::<T, W, f32>(
+                &x,
+                &dy,
+                n,
+                |_| Some(&w[..]),
+                &rstd,
+                &mut want_dx,
+                Some(&mut want_acc),
+            )
+        });
+        for kernel in Kernel::available() {
+            let inputs = BackwardInputs {
+                x: &x,
+                dy: &dy,
+                rstd: &rstd,
+                w: Some(&w[..]),
+                n,
+                rows_per_group: rows,
+                kernel,
+            };
+            let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+            kernel.run(|| inputs.rows_from(0, &mut dx, Some(&mut acc)));
+            let what = format!("{kernel:?} n={n} rows={rows}");
+            let first_diff = bits(&dx)
+                .iter()
+                .zip(bits(&want_dx))
+                .position(|(a, b)| *a != b);
+            assert_eq!(first_diff, None, "dx {what}");
+            assert_eq!(bits(&acc), bits(&want_acc), "dweight {what}");
+        }
+    }
+    for (n, rows) in [
+        (1, 1),
+        (7, 3),
+        (16, 2),
+        (33, 5),
+        (128, 9),
+        (1024, 3),
+        (1040, 4),
+        (2500, 3),
+        (4097, 2),
+        (4096, 17),
+        (64, 700),
+    ] {
+        check::<f32, f32>(n, rows);
+        check::<bf16, bf16>(n, rows);
+        check::<bf16, f32>(n, rows);
+        check::<f16, f32>(n, rows);
+    }
+}
