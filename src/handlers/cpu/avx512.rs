@@ -51,6 +51,8 @@ const _: () = assert!(LANES == 16 && TILE.is_multiple_of(LANES));
 
 /// An element type with 16-lane loads and stores in float32.
 trait Lane: Element + Copy {
+    /// The slice, if `Typed` holds this type.
+    fn of(t: Typed<'_>) -> Option<&[Self]>;
     fn load(s: V4, v: &[Self; LANES]) -> __m512;
     fn store(s: V4, v: __m512) -> [Self; LANES];
     /// 32 elements widened to float32: the even-indexed ones, then the odd-indexed ones.
@@ -90,6 +92,13 @@ trait Lane: Element + Copy {
 
 impl Lane for f32 {
     #[inline(always)]
+    fn of(t: Typed<'_>) -> Option<&[f32]> {
+        match t {
+            Typed::F32(s) => Some(s),
+            _ => None,
+        }
+    }
+    #[inline(always)]
     fn load(_: V4, v: &[f32; LANES]) -> __m512 {
         pulp::cast(*v)
     }
@@ -123,6 +132,13 @@ fn round_bf16_high(s: V4, v: __m512) -> __m512i {
 }
 
 impl Lane for bf16 {
+    #[inline(always)]
+    fn of(t: Typed<'_>) -> Option<&[bf16]> {
+        match t {
+            Typed::Bf16(s) => Some(s),
+            _ => None,
+        }
+    }
     /// Widening is exact: the bfloat16 bits are the top half of the float32's.
     #[inline(always)]
     fn load(s: V4, v: &[bf16; LANES]) -> __m512 {
@@ -211,24 +227,33 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
 ) -> bool {
     // W is one type, so every weight row has the kind of an empty one.
     match W::typed(&[]) {
-        Typed::F32(_) => {
-            let w = |i| match w_of(i).map(W::typed) {
-                Some(Typed::F32(w)) => Some(w),
-                _ => None,
-            };
-            rows(s, x, n, w, eps, y, rstd);
-            true
-        }
-        Typed::Bf16(_) => {
-            let w = |i| match w_of(i).map(W::typed) {
-                Some(Typed::Bf16(w)) => Some(w),
-                _ => None,
-            };
-            rows(s, x, n, w, eps, y, rstd);
-            true
-        }
+        Typed::F32(_) => rows_weighted::<X, f32, W, A>(s, x, n, w_of, eps, y, rstd),
+        Typed::Bf16(_) => rows_weighted::<X, bf16, W, A>(s, x, n, w_of, eps, y, rstd),
         Typed::Other => false,
     }
+}
+
+/// [`rows`] with the weight rows seen as `V`, W's own type.
+#[inline(always)]
+fn rows_weighted<'w, X: Lane, V: Lane + 'w, W: Element + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [X],
+    rstd: &mut [A],
+) -> bool {
+    rows(
+        s,
+        x,
+        n,
+        |i| w_of(i).and_then(|w| V::of(W::typed(w))),
+        eps,
+        y,
+        rstd,
+    );
+    true
 }
 
 #[inline(always)]
