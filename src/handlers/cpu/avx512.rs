@@ -1,15 +1,15 @@
-//! The forward pass of float32 and bfloat16 rows in explicit AVX-512, for the instruction set
-//! most of this library's CPU time runs on. The portable loops in `handlers::math` leave the
-//! vectorizing to LLVM, which in these loops split accumulators into pieces and re-read the
-//! weight from L2 for every row. These loops take the same operations in the same order per
-//! lane, so their results are bit-identical to the portable ones (tested on every instruction
-//! set), in a different order over memory:
+//! The forward pass, and the backward pass with a weight, of float32 and bfloat16 rows in
+//! explicit AVX-512, for the instruction set most of this library's CPU time runs on. The
+//! portable loops in `handlers::math` leave the vectorizing to LLVM, which in these loops split
+//! accumulators into pieces and re-read the weight from L2 for every row. These loops take the
+//! same operations in the same order per lane, so their results are bit-identical to the
+//! portable ones (tested on every instruction set), in a different order over memory:
 //!
-//! 1. the sums of squares of two rows at a time: two independent add chains, so the loop is
-//!    bound by loads, not by the latency of one chain;
-//! 2. then `y = x * rstd * w` in column tiles over all the chunk's rows, so a tile of the
-//!    weight stays in L1 while every row uses it, and the chunk's x (at most 256 KiB) is
-//!    re-read from L2.
+//! 1. the sums of squares (backward: the dot products) of two rows at a time: two independent
+//!    add chains, so the loop is bound by loads, not by the latency of one chain;
+//! 2. then the second pass (`y = x * rstd * w`; backward: dx and the weight gradient) in
+//!    column tiles over a group of rows, so a tile of the weight (and of the float64 gradient
+//!    row) stays in L1 while every row uses it, and the group's x (and dy) is re-read from L2.
 //!
 //! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
 //! AVX-512 context it is compiled into. A second `V4::vectorize` nested in that context kept
