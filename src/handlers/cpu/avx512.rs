@@ -227,32 +227,16 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
 ) -> bool {
     // W is one type, so every weight row has the kind of an empty one.
     match W::typed(&[]) {
-        Typed::F32(_) => rows_weighted::<X, f32, W, A>(s, x, n, w_of, eps, y, rstd),
-        Typed::Bf16(_) => rows_weighted::<X, bf16, W, A>(s, x, n, w_of, eps, y, rstd),
-        Typed::Other => false,
+        Typed::F32(_) => {
+            let w = |i| w_of(i).and_then(|w| f32::of(W::typed(w)));
+            rows(s, x, n, w, eps, y, rstd);
+        }
+        Typed::Bf16(_) => {
+            let w = |i| w_of(i).and_then(|w| bf16::of(W::typed(w)));
+            rows(s, x, n, w, eps, y, rstd);
+        }
+        Typed::Other => return false,
     }
-}
-
-/// [`rows`] with the weight rows seen as `V`, W's own type.
-#[inline(always)]
-fn rows_weighted<'w, X: Lane, V: Lane + 'w, W: Element + 'w, A: Accum>(
-    s: V4,
-    x: &[X],
-    n: usize,
-    w_of: impl Fn(usize) -> Option<&'w [W]>,
-    eps: A,
-    y: &mut [X],
-    rstd: &mut [A],
-) -> bool {
-    rows(
-        s,
-        x,
-        n,
-        |i| w_of(i).and_then(|w| V::of(W::typed(w))),
-        eps,
-        y,
-        rstd,
-    );
     true
 }
 
