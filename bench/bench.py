@@ -10,6 +10,10 @@ Times are medians over the rounds; a ratio is the median over rounds of that rou
 with its 25th-75th percentile spread (the statistic the speed targets are stated in). The floor
 moves the same bytes with the same output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
 
+Then the accuracy sweep of `accuracy.py`: the errors of ours and of the jnp reference against a
+long-double truth, float32 rows to one row of 2^26 and the weight gradient over 2^20 rows,
+float64 at rows of 2^20 and over 2^16 rows (--quick: three small shapes; --no-accuracy skips it).
+
 Then a sharded case, in a subprocess with --sharded-devices (default 4) forced host devices (the
 device count is fixed when JAX starts): the training-step shape of the norm, `jax.grad` in x and
 w of `sum(norm(x, w) * dy)`, rows sharded P("data") over a mesh of all the devices (explicit and
@@ -40,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import accuracy
 import rmsnorm_ffi
 from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual
 
@@ -215,6 +220,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small shapes only, few reps (smoke test)")
     parser.add_argument("--shapes", help="comma-separated ROWSxN shapes instead of the suite's (e.g. 256x4096,64x16384)")
     parser.add_argument("--dtypes", help="comma-separated dtypes instead of the suite's (e.g. float32,bfloat16)")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy sweep (a row of 2^26 takes about 6 GB of memory and 2 minutes)")
     parser.add_argument("--sharded-devices", type=int, default=4,
                         help="host devices for the sharded case (default 4; 0 skips it)")
     parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
@@ -276,9 +282,10 @@ def main():
             f"add+ours {row['res unfused']:8.3f} ms ({row['residual fused / unfused']:4.2f}x) | "
             f"add+jnp {row['res jnp']:8.3f} ms ({row['residual fused / jnp']:4.2f}x)"
         )
+    errors = [] if args.no_accuracy else accuracy.report({"ours": rms_norm, "jnp": rms_norm_reference}, args.quick)
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "sharded": sharded,
+        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "accuracy": errors, "sharded": sharded,
                    "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
     plot(rows, os.path.join(args.out, "rmsnorm_cpu.png"))
 

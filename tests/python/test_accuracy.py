@@ -1,9 +1,12 @@
-"""Accuracy against a float64 truth, independent of the row length: the error (max |ours -
+"""Accuracy against a long-double truth, independent of the row length: the error (max |ours -
 truth| / max |truth|) in float32 eps for the forward, dx and dweight over a sweep of row lengths
 to 2^24 and for dweight over 2^20 rows of 64; float64 in float64 eps; bfloat16 and float16
 within one unit in the last place of the correctly rounded result. Sums along a row are taken in
 two levels (see src/handlers/math.rs): a float32 sum along the row was off by thousands of eps
 at 2^24 elements."""
+
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,40 +15,13 @@ import pytest
 
 from rmsnorm_ffi import rms_norm
 
-
-def _truth(x, w, dy, eps):
-    # In long double (80-bit on x86): NumPy sums along axis 0 one row after another, which in
-    # float64 would itself be off by more than the float64 results it judges.
-    x, w, dy = (np.asarray(a, np.longdouble) for a in (x, w, dy))
-    r = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
-    y = x * r * w
-    g = dy * w
-    dx = r * (g - x * r * r * np.mean(g * x, -1, keepdims=True))
-    dw = np.sum(dy * x * r, axis=0)
-    return y, dx, dw
+# The measure and the truth are the benchmark's (bench/accuracy.py), which sweeps to 2^26.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from accuracy import errors, inputs, truth, ulps  # noqa: E402
 
 
-def _run(x, w, dy, eps):
-    step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(lambda x, w: rms_norm(x, w, eps), x, w)))
-    return [np.asarray(a, np.float64) for a in step(x, w, dy)]
-
-
-def _inputs(rows, n, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((rows, n)) + 0.5).astype(dtype)
-    w = (1 + 0.1 * rng.standard_normal(n)).astype(dtype)
-    dy = rng.standard_normal((rows, n)).astype(dtype)
-    return x, w, dy
-
-
-def _errors(rows, n, dtype, eps=1e-5):
-    x, w, dy = _inputs(rows, n, dtype)
-    got = _run(x, w, dy, eps)
-    # eps travels as a float32 attribute (README, known limits): the truth uses that value.
-    want = _truth(x, w, dy, float(np.float32(eps)))
-    unit = np.finfo(dtype).eps
-    return [float(np.max(np.abs(g - t)) / np.max(np.abs(t)) / unit) for g, t in zip(got, want)]
-
+def _errors(rows, n, dtype):
+    return errors(rms_norm, rows, n, dtype)
 
 
 # Rows x row length: 8 rows up to 2^20, then fewer (the largest is one row of 2^24, 64 MiB).
@@ -78,20 +54,10 @@ def test_float64_within_two_eps(rows, n):
     assert fwd <= 2 and dx <= 2 and dw <= 2, (fwd, dx, dw)
 
 
-def _ulps(got, truth, dtype):
-    """|got - rn(truth)| in units of the last place of rn(truth), elementwise (rn: the
-    correctly rounded value in `dtype`)."""
-    rounded = truth.astype(np.float32).astype(dtype).astype(np.float64)
-    info = jnp.finfo(dtype)
-    exponent = np.floor(np.log2(np.maximum(np.abs(rounded), float(info.tiny))))
-    ulp = np.exp2(exponent) * float(info.eps)
-    return np.abs(got - rounded) / ulp
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("n", [64, 4096, 1 << 16])
 def test_half_precision_within_one_ulp_of_the_rounded_truth(dtype, n):
-    x, w, dy = _inputs(16, n, dtype)
+    x, w, dy = inputs(16, n, dtype)
     y = np.asarray(jax.jit(lambda x, w: rms_norm(x, w))(x, w), np.float64)
-    ty = np.asarray(_truth(x, w, dy, float(np.float32(1e-5)))[0], np.float64)
-    assert float(np.max(_ulps(y, ty, dtype))) <= 1
+    ty = np.asarray(truth(x, w, dy, float(np.float32(1e-5)))[0], np.float64)
+    assert float(np.max(ulps(y, ty, dtype))) <= 1

@@ -28,6 +28,12 @@ def test_bench_quick_run(tmp_path):
         lo, hi = row["fwd / floor spread"]
         assert lo <= row["fwd / floor"] <= hi
     assert "residual add + norm" in result.stdout
+    # The accuracy sweep (--quick: three float32 shapes), ours and jnp in eps of float32.
+    assert "accuracy against a long-double truth" in result.stdout
+    assert [(r["dtype"], r["rows"], r["n"]) for r in results["accuracy"]] == [
+        ("float32", 8, 4096), ("float32", 2, 1 << 16), ("float32", 1 << 12, 64)]
+    for row in results["accuracy"]:
+        assert all(0 < e <= 2 for e in row["ours"]) and all(e > 0 for e in row["jnp"]), row
     # The sharded case: 4 host devices, explicit and automatic meshes, ours and jnp.
     assert "sharded fwd+bwd" in result.stdout and "4 host devices" in result.stdout
     sharded = results["sharded"]
