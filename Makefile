@@ -153,7 +153,7 @@ python-test-new: $(DEPS) $(DEPS_NEW) bundles
 test: $(DEPS_NEW) rust-test gpu-sanitize sanitize loom memcheck python-test python-test-new
 
 # The benchmark suite: a table of times and ratios, the accuracy sweep to rows of 2^26 (about 6 GB,
-# 2 minutes; BENCH_ARGS=--no-accuracy skips it), bench/out/results.json and a PNG plot.
+# 2.5 minutes; BENCH_ARGS=--no-accuracy skips it), bench/out/results.json and a PNG plot.
 # BENCH_ARGS passes options to bench/bench.py (the README test uses `--quick --out DIR`).
 bench: develop
 	$(PY) -m pip install --quiet matplotlib

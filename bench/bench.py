@@ -220,7 +220,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small shapes only, few reps (smoke test)")
     parser.add_argument("--shapes", help="comma-separated ROWSxN shapes instead of the suite's (e.g. 256x4096,64x16384)")
     parser.add_argument("--dtypes", help="comma-separated dtypes instead of the suite's (e.g. float32,bfloat16)")
-    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy sweep (a row of 2^26 takes about 6 GB of memory and 2 minutes)")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy sweep (about 2.5 minutes; a row of 2^26 takes about 6 GB of memory)")
     parser.add_argument("--sharded-devices", type=int, default=4,
                         help="host devices for the sharded case (default 4; 0 skips it)")
     parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)

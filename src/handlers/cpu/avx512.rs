@@ -36,8 +36,8 @@
 //! Tried and not kept: summing row r+1 in the loop that scales row r (the same bits) took
 //! 5-15% off the forward's median in `make bench`'s shuffled rounds, where x is often cold,
 //! but was 15-20% slower in a tight loop (256x4096: best 88 against 105 us; 64x16384: 178
-//! against 212 us, in a busier hour),
-//! since the weight row is then re-read from L2 for every row rather than once per tile.
+//! against 212 us, in a busier hour), since the weight row is then re-read from L2 for every
+//! row rather than once per tile.
 
 use core::any::TypeId;
 use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_UNORD_Q};
