@@ -406,8 +406,8 @@ const BACKWARD_GROUP_ELEMENTS: usize = 32 * 1024;
 const BACKWARD_GROUP_ROWS: usize = 64;
 
 /// The backward pass with a weight and its gradient over `rstd.len()` consecutive rows of `n`,
-/// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining each
-/// row's `dy * xhat` in row order), when x is float32 or bfloat16, the weight float32 or
+/// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining the
+/// rows' `dy * xhat` a pair at a time, in row order), when x is float32 or bfloat16, the weight float32 or
 /// bfloat16 and the accumulator float32. Returns false, having written nothing, for any other
 /// types. Rows go in groups: the dot products of two rows at a time, then the second pass in
 /// column tiles over the group's rows, so a tile of the weight and of the float64 gradient
@@ -476,7 +476,8 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
     if n == 0 {
         return;
     }
-    let group = (BACKWARD_GROUP_ELEMENTS / n).clamp(1, BACKWARD_GROUP_ROWS);
+    // An even number of rows, so no pair of rows (see `backward_tiles`) straddles two groups.
+    let group = (BACKWARD_GROUP_ELEMENTS / n).clamp(2, BACKWARD_GROUP_ROWS) & !1;
     {
         // rstd is float32 here, so the conversions are exact.
         let r_of = |i: usize| rstd[i].to_f64() as f32;
@@ -582,7 +583,9 @@ fn dot_step<X: Lane>(
 }
 
 /// The second pass of a group's rows, [`TILE`] columns of every row at a time:
-/// `dx = r * (dy * w - xhat * c)` and `acc += dy * xhat` (in float64, row by row).
+/// `dx = r * (dy * w - xhat * c)` and `acc += dy * xhat`, rows paired from the group's first
+/// (the pair's float32 sum widened once, as `math::backward_rows_paired` adds it; a last odd
+/// row alone).
 #[inline(always)]
 fn backward_tiles<X: Lane, W: Lane, A: Accum>(
     s: V4,
@@ -594,38 +597,63 @@ fn backward_tiles<X: Lane, W: Lane, A: Accum>(
     acc: &mut [f64],
 ) {
     let f = s.avx512f;
+    // rstd is float32 here, so the conversions are exact.
+    let r_of = |i: usize| rstd[i].to_f64() as f32;
+    let rows = c.len();
     for t0 in (0..n).step_by(TILE) {
         let cols = t0..(t0 + TILE).min(n);
         let (wb, wt) = w[cols.clone()].as_chunks::<LANES>();
         let (ab, at) = acc[cols.clone()].as_chunks_mut::<LANES>();
-        for (((xr, dr), or), (r, &c)) in x
-            .chunks_exact(n)
-            .zip(dy.chunks_exact(n))
-            .zip(dx.chunks_exact_mut(n))
-            .zip(rstd.iter().zip(c))
-        {
-            // rstd is float32 here, so the conversion is exact.
-            let r = r.to_f64() as f32;
+        let tile = |i: usize| i * n + cols.start..i * n + cols.end;
+        let mut i = 0;
+        while i + 1 < rows {
+            let (r0, r1, c0, c1) = (r_of(i), r_of(i + 1), c[i], c[i + 1]);
+            let (rv0, cv0) = (f._mm512_set1_ps(r0), f._mm512_set1_ps(c0));
+            let (rv1, cv1) = (f._mm512_set1_ps(r1), f._mm512_set1_ps(c1));
+            let (x0b, x0t) = x[tile(i)].as_chunks::<LANES>();
+            let (x1b, x1t) = x[tile(i + 1)].as_chunks::<LANES>();
+            let (d0b, d0t) = dy[tile(i)].as_chunks::<LANES>();
+            let (d1b, d1t) = dy[tile(i + 1)].as_chunks::<LANES>();
+            let (o0, o1) = dx[i * n..(i + 2) * n].split_at_mut(n);
+            let (o0b, o0t) = o0[cols.clone()].as_chunks_mut::<LANES>();
+            let (o1b, o1t) = o1[cols.clone()].as_chunks_mut::<LANES>();
+            for ((((ws, accs), (xs0, xs1)), (ds0, ds1)), (os0, os1)) in wb
+                .iter()
+                .zip(ab.iter_mut())
+                .zip(x0b.iter().zip(x1b))
+                .zip(d0b.iter().zip(d1b))
+                .zip(o0b.iter_mut().zip(o1b.iter_mut()))
+            {
+                let wv = W::load(s, ws);
+                let (h0, d0) = (f._mm512_mul_ps(X::load(s, xs0), rv0), X::load(s, ds0));
+                let (h1, d1) = (f._mm512_mul_ps(X::load(s, xs1), rv1), X::load(s, ds1));
+                *os0 = dx_step(s, h0, d0, wv, rv0, cv0);
+                *os1 = dx_step(s, h1, d1, wv, rv1, cv1);
+                let p = f._mm512_add_ps(f._mm512_mul_ps(d0, h0), f._mm512_mul_ps(d1, h1));
+                *accs = widen_add(s, *accs, p);
+            }
+            for (l, a) in at.iter_mut().enumerate() {
+                let wl = wt[l].to_f32();
+                let (h0, d0) = (x0t[l].to_f32() * r0, d0t[l].to_f32());
+                let (h1, d1) = (x1t[l].to_f32() * r1, d1t[l].to_f32());
+                o0t[l] = X::from_f32(r0 * (d0 * wl - h0 * c0));
+                o1t[l] = X::from_f32(r1 * (d1 * wl - h1 * c1));
+                *a += (d0 * h0 + d1 * h1) as f64;
+            }
+            i += 2;
+        }
+        if i < rows {
+            let (r, c) = (r_of(i), c[i]);
             let (rv, cv) = (f._mm512_set1_ps(r), f._mm512_set1_ps(c));
-            let (xb, xt) = xr[cols.clone()].as_chunks::<LANES>();
-            let (db, dt) = dr[cols.clone()].as_chunks::<LANES>();
-            let (ob, ot) = or[cols.clone()].as_chunks_mut::<LANES>();
+            let (xb, xt) = x[tile(i)].as_chunks::<LANES>();
+            let (db, dt) = dy[tile(i)].as_chunks::<LANES>();
+            let (ob, ot) = dx[tile(i)].as_chunks_mut::<LANES>();
             for ((((os, xs), ds), ws), accs) in
                 ob.iter_mut().zip(xb).zip(db).zip(wb).zip(ab.iter_mut())
             {
-                let h = f._mm512_mul_ps(X::load(s, xs), rv);
-                let d = X::load(s, ds);
-                let g = f._mm512_mul_ps(d, W::load(s, ws));
-                *os = X::store(
-                    s,
-                    f._mm512_mul_ps(rv, f._mm512_sub_ps(g, f._mm512_mul_ps(h, cv))),
-                );
-                let p: [__m256; 2] = pulp::cast(f._mm512_mul_ps(d, h));
-                let mut a: [__m512d; 2] = pulp::cast(*accs);
-                for (a, p) in a.iter_mut().zip(p) {
-                    *a = f._mm512_add_pd(*a, f._mm512_cvtps_pd(p));
-                }
-                *accs = pulp::cast(a);
+                let (h, d) = (f._mm512_mul_ps(X::load(s, xs), rv), X::load(s, ds));
+                *os = dx_step(s, h, d, W::load(s, ws), rv, cv);
+                *accs = widen_add(s, *accs, f._mm512_mul_ps(d, h));
             }
             for ((((o, &xi), &di), &wi), a) in
                 ot.iter_mut().zip(xt).zip(dt).zip(wt).zip(at.iter_mut())
@@ -637,4 +665,27 @@ fn backward_tiles<X: Lane, W: Lane, A: Accum>(
             }
         }
     }
+}
+
+/// `r * (dy * w - xhat * c)`, stored as `X`.
+#[inline(always)]
+fn dx_step<X: Lane>(s: V4, h: __m512, d: __m512, w: __m512, r: __m512, c: __m512) -> [X; LANES] {
+    let f = s.avx512f;
+    let g = f._mm512_mul_ps(d, w);
+    X::store(
+        s,
+        f._mm512_mul_ps(r, f._mm512_sub_ps(g, f._mm512_mul_ps(h, c))),
+    )
+}
+
+/// `acc + p` for 16 float64 accumulators and 16 float32 terms, each term widened exactly.
+#[inline(always)]
+fn widen_add(s: V4, acc: [f64; LANES], p: __m512) -> [f64; LANES] {
+    let f = s.avx512f;
+    let p: [__m256; 2] = pulp::cast(p);
+    let mut a: [__m512d; 2] = pulp::cast(acc);
+    for (a, p) in a.iter_mut().zip(p) {
+        *a = f._mm512_add_pd(*a, f._mm512_cvtps_pd(p));
+    }
+    pulp::cast(a)
 }
