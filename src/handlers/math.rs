@@ -743,9 +743,10 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
 }
 
 /// The second pass of two rows that add to one accumulator: their dx (each with its own
-/// weight), then, per column, `acc += dy0 * xhat0 + dy1 * xhat1`, the pair's sum taken in `A`
+/// weight), and per column `acc += dy0 * xhat0 + dy1 * xhat1`, the pair's sum taken in `A`
 /// and widened once (see [`backward_rows_paired`]). The two-rows loops' last pair, and the
-/// reference they are tested against.
+/// reference they are tested against. One pass over the rows when both have a weight (every
+/// call that has a weight gradient), else their dx first and the gradient after.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
@@ -757,6 +758,22 @@ fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
     (o0, o1): (&mut [T], &mut [T]),
     acc: &mut [A::Wide],
 ) {
+    if let (Some(w0), Some(w1)) = (w0, w1) {
+        let outs = o0.iter_mut().zip(o1.iter_mut()).zip(acc.iter_mut());
+        let ins = x0
+            .iter()
+            .zip(x1)
+            .zip(d0.iter().zip(d1))
+            .zip(w0.iter().zip(w1));
+        for (((o0, o1), a), (((&xi0, &xi1), (&di0, &di1)), (&wi0, &wi1))) in outs.zip(ins) {
+            let (h0, g0) = (A::load(xi0) * r0, A::load(di0));
+            let (h1, g1) = (A::load(xi1) * r1, A::load(di1));
+            *o0 = (r0 * (g0 * A::load(wi0) - h0 * c0)).store();
+            *o1 = (r1 * (g1 * A::load(wi1) - h1 * c1)).store();
+            *a = a.add((g0 * h0 + g1 * h1).to_f64());
+        }
+        return;
+    }
     backward_second_pass(x0, w0, r0, c0, d0, o0, None);
     backward_second_pass(x1, w1, r1, c1, d1, o1, None);
     for ((((a, &xi0), &di0), &xi1), &di1) in acc.iter_mut().zip(x0).zip(d0).zip(x1).zip(d1) {

@@ -407,11 +407,11 @@ const BACKWARD_GROUP_ROWS: usize = 64;
 
 /// The backward pass with a weight and its gradient over `rstd.len()` consecutive rows of `n`,
 /// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining the
-/// rows' `dy * xhat` a pair at a time, in row order), when x is float32 or bfloat16, the weight float32 or
-/// bfloat16 and the accumulator float32. Returns false, having written nothing, for any other
-/// types. Rows go in groups: the dot products of two rows at a time, then the second pass in
-/// column tiles over the group's rows, so a tile of the weight and of the float64 gradient
-/// row stays in L1 while every row of the group adds to it.
+/// rows' `dy * xhat` a pair at a time, in row order), when x is float32 or bfloat16, the
+/// weight float32 or bfloat16 and the accumulator float32. Returns false, having written
+/// nothing, for any other types. Rows go in groups: the dot products of two rows at a time,
+/// then the second pass in column tiles over the group's rows, so a tile of the weight and of
+/// the float64 gradient row stays in L1 while every row of the group adds to it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_rows<T: Element, W: Element, A: Accum>(
