@@ -1,8 +1,9 @@
 """RMS norm benchmark suite: ours against the floor and the jnp reference, measured side by
 side in one run, reported as ratios.
 
-For each shape and dtype it times --reps rounds after warm-up, each round timing every variant
-once in a new shuffled order, so that drift and cache state hit them alike:
+For each shape and dtype it times --reps rounds after warm-up (ten times as many up to 64K
+elements, five times up to 1M: see `rounds_for`), each round timing every variant once in a
+new shuffled order, so that drift and cache state hit them alike:
   forward:          ours `rms_norm(x, w)`, floor `x * c`, jnp reference;
   forward+backward: ours `jax.vjp(rms_norm, x, w)` then the pullback, floor `x * dy * c`,
                     jnp reference the same way.
@@ -81,9 +82,25 @@ def variants(dtype):
     }
 
 
+def rounds_for(shape, reps: int) -> int:
+    """Rounds for one shape: `reps`, times 10 up to 64K elements and times 5 up to 1M. A round
+    of the small and of the cache-resident shapes (where the speed targets are stated) takes
+    about 0.1 and 10 ms, and their per-round ratios spread widest: at 256x4096 float32 a
+    25th-75th percentile of about 0.8-1.5x (forward) and 1.9-3.4x (forward+backward), so at 30
+    rounds the median's standard error was about 0.12x and 0.25x; 150 rounds cut that by sqrt(5).
+    (Runs of 150 rounds of the same build still differ by more than that: part of the noise
+    moves whole runs.) The large shapes keep `reps`: a round takes about 0.3 s there."""
+    elements = int(np.prod(shape))
+    if elements <= 1 << 16:
+        return reps * 10
+    if elements <= 1 << 20:
+        return reps * 5
+    return reps
+
+
 def measure(shape, dtype, reps):
-    """Per variant, its wall time (ms) in each of `reps` rounds; every round times every
-    variant once, in a new shuffled order."""
+    """Per variant, its wall time (ms) in each of `rounds_for(shape, reps)` rounds; every
+    round times every variant once, in a new shuffled order."""
     key = jax.random.key(0)
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
     dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
@@ -93,11 +110,9 @@ def measure(shape, dtype, reps):
         for _ in range(3):
             jax.block_until_ready(fn(x, w, dy))
     times = {name: [] for name in fns}
-    if np.prod(shape) <= 1 << 16:
-        reps *= 10  # small shapes: cheap, and dispatch noise needs more samples
     order = list(fns.items())
     rng = np.random.default_rng(0)
-    for _ in range(reps):
+    for _ in range(rounds_for(shape, reps)):
         # A new order each round: every variant follows every other one, so none is always
         # timed after a cache-thrashing neighbour.
         rng.shuffle(order)
@@ -237,7 +252,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
 
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, {reps} rounds; "
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, {reps} rounds "
+        "(x10 up to 64K elements, x5 up to 1M); "
         "ms: median; ratios: median of per-round ratios [25th-75th percentile]"
     )
     header = (
@@ -255,6 +271,7 @@ def main():
             row = {
                 "shape": list(shape),
                 "dtype": dtype,
+                "rounds": rounds_for(shape, reps),
                 **t,
                 "fwd / floor": fwd[0],
                 "fwd / floor spread": fwd[1:],
