@@ -86,7 +86,7 @@ def rounds_for(shape, reps: int) -> int:
     """Rounds for one shape: `reps`, times 10 up to 64K elements and times 5 up to 1M. A round
     of the small and of the cache-resident shapes (where the speed targets are stated) takes
     about 0.1 and 10 ms, and their per-round ratios spread widest: at 256x4096 float32 a
-    25th-75th percentile of about 0.8-1.5x (forward) and 1.9-3.4x (forward+backward), so at 30
+    25th-75th percentile of about 0.8-1.5x (forward) and 1.6-3.4x (forward+backward), so at 30
     rounds the median's standard error was about 0.12x and 0.25x; 150 rounds cut that by sqrt(5).
     (Runs of 150 rounds of the same build still differ by more than that: part of the noise
     moves whole runs.) The large shapes keep `reps`: a round takes about 0.3 s there."""
