@@ -1,9 +1,9 @@
 """RMS norm benchmark suite: ours against the floor and the jnp reference, measured side by
 side in one run, reported as ratios.
 
-For each shape and dtype it times --reps rounds after warm-up (ten times as many up to 64K
-elements, five times up to 1M: see `rounds_for`), each round timing every variant once in a
-new shuffled order, so that drift and cache state hit them alike:
+For each shape and dtype it times --reps rounds after warm-up (more at the small and the
+cache-resident shapes: see `rounds_for`), each round timing every variant once in a new
+shuffled order, so that drift and cache state hit them alike:
   forward:          ours `rms_norm(x, w)`, floor `x * c`, jnp reference;
   forward+backward: ours `jax.vjp(rms_norm, x, w)` then the pullback, floor `x * dy * c`,
                     jnp reference the same way.
@@ -251,9 +251,12 @@ def main():
     dtypes = args.dtypes.split(",") if args.dtypes else DTYPES
     os.makedirs(args.out, exist_ok=True)
 
+    by_rounds = {}
+    for shape in shapes:
+        by_rounds.setdefault(rounds_for(shape, reps), []).append("x".join(map(str, shape)))
+    rounds = "; ".join(f"{n} at {', '.join(names)}" for n, names in by_rounds.items())
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores, {reps} rounds "
-        "(x10 up to 64K elements, x5 up to 1M); "
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores; rounds: {rounds}; "
         "ms: median; ratios: median of per-round ratios [25th-75th percentile]"
     )
     header = (
