@@ -1580,3 +1580,25 @@ fn devices_are_keyed_by_the_stream_not_by_xla_s_ordinal() {
         format!("resources loaded in initialize, {} scratch bytes", 128 * 8)
     );
 }
+
+#[test]
+fn the_cuda_backward_refuses_to_take_rstd_from_x() {
+    // The CPU backward may take rstd itself (an `eps` attribute, no rstd operand); the CUDA
+    // kernels read it, and the Python lowering passes it there. A call site that asks anyway
+    // is refused when instantiated, naming the attribute.
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let case = Case::new(DataType::F32, Weight::Same, 4, 256);
+    let ctx = gpu_context(fake, &case);
+    let mut attrs = bwd_attrs(&case);
+    attrs.push(("eps", OwnedAttr::scalar(1e-5f32)));
+    let err = fake::instantiate(&ctx, &gpu::BACKWARD_BUNDLE, attrs)
+        .err()
+        .expect("refused")
+        .1;
+    assert!(
+        err.contains("attribute `eps`") && err.contains("CPU only"),
+        "{err}"
+    );
+}

@@ -26,6 +26,10 @@ crate::ffi_attrs! {
 crate::ffi_attrs! {
     /// Attributes of `rmsnorm_bwd`.
     pub struct BackwardAttrs {
+        /// Present: the call has no `rstd` operand and takes each row's `rstd` itself, from x
+        /// and this `eps`, exactly as the forward does (finite and >= 0; CPU only). Absent:
+        /// `rstd` is an operand (the form artifacts exported before it existed call).
+        pub eps: Option<f32>,
         /// Whether argument 1 is a weight (and result 1 its gradient).
         pub has_weight: bool,
         /// Length of the normalized (last) axis.
@@ -296,7 +300,8 @@ pub fn residual_operands<'a, 'r, P: Platform>(
 pub struct BackwardOperands<'a, 'r, P: Platform> {
     pub x: AnyBuffer<'a, P>,
     pub w: Option<AnyBuffer<'a, P>>,
-    pub rstd: AnyBuffer<'a, P>,
+    /// `None` in a call that takes rstd itself (see [`BackwardAttrs::eps`]).
+    pub rstd: Option<AnyBuffer<'a, P>>,
     pub dy: AnyBuffer<'a, P>,
     pub dx: AnyResult<'r, P>,
     pub dw: Option<AnyResult<'r, P>>,
@@ -305,27 +310,35 @@ pub struct BackwardOperands<'a, 'r, P: Platform> {
     pub layout: Layout,
 }
 
-/// Decodes and checks a backward call: arguments (x, [weight], rstd, dy), results (dx,
-/// [dweight]), each against x, the weight and the attributes.
+/// Decodes and checks a backward call: arguments (x, [weight], [rstd], dy) (`rstd` when
+/// `has_rstd`), results (dx, [dweight]), each against x, the weight and the attributes.
 pub fn backward_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
     has_weight: bool,
+    has_rstd: bool,
     row_len: usize,
 ) -> FfiResult<BackwardOperands<'a, 'r, P>> {
-    let has_w = has_weight as usize;
-    count("arguments", args.len(), 3 + has_w)?;
+    let (has_w, has_r) = (has_weight as usize, has_rstd as usize);
+    count("arguments", args.len(), 2 + has_w + has_r)?;
     count("results", rets.len(), 1 + has_w)?;
     let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
-    let (rstd, dy) = (args.get(1 + has_w)?, args.get(2 + has_w)?);
+    let rstd = if has_rstd {
+        Some(args.get(1 + has_w)?)
+    } else {
+        None
+    };
+    let dy = args.get(1 + has_w + has_r)?;
     let lead = &x.dims()[..x.rank() - 1];
-    expect(
-        rstd.operand(),
-        rstd.dtype(),
-        rstd.dims(),
-        pair.accumulation(),
-        lead,
-    )?;
+    if let Some(rstd) = &rstd {
+        expect(
+            rstd.operand(),
+            rstd.dtype(),
+            rstd.dims(),
+            pair.accumulation(),
+            lead,
+        )?;
+    }
     expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
     let dx = result(rets, 0)?;
     expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;

@@ -28,6 +28,17 @@ fn bits<T: Element>(v: &[T]) -> Vec<u64> {
     v.iter().map(|x| x.to_f64().to_bits()).collect()
 }
 
+/// [`bits`] with every NaN alike: where a row's rstd is 0 or NaN (an overflowing or NaN row),
+/// `inf * 0` makes NaNs whose sign depends on operand order, which the loops do not fix.
+fn nan_bits<T: Element>(v: &[T]) -> Vec<u64> {
+    v.iter()
+        .map(|e| match e.to_f64() {
+            f if f.is_nan() => u64::MAX,
+            f => f.to_bits(),
+        })
+        .collect()
+}
+
 fn kernel_results<T: Element, W: Element, A: Accum>(
     kernel: Kernel,
     n: usize,
@@ -201,6 +212,27 @@ fn run_both<T: Element + NativeType, W: Element + NativeType>(
         .build(ctx);
     b.call(BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
         .unwrap();
+    // The backward that takes rstd itself from x and eps (no rstd operand): the same bits.
+    let bwd_ctx = FakeContext::with_threads(ctx.num_threads);
+    let mut from_x = attrs(false);
+    from_x.push(("eps", OwnedAttr::scalar(1e-5f32)));
+    instantiate(&bwd_ctx, &BACKWARD_BUNDLE, from_x).unwrap();
+    let mut c = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(dims, &x))
+        .arg(OwnedBuffer::from_values(&[n as i64], &w))
+        .arg(OwnedBuffer::from_values(dims, &dy))
+        .ret(OwnedBuffer::zeros(T::DTYPE, dims))
+        .ret(OwnedBuffer::zeros(W::DTYPE, &[n as i64]))
+        .build(&bwd_ctx);
+    c.call(BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .unwrap();
+    for k in 0..2 {
+        assert_eq!(
+            bits(&as_f64::<T>(c.result(k))),
+            bits(&as_f64::<T>(b.result(k))),
+            "result {k} of the backward taking rstd from x, {dims:?}"
+        );
+    }
     let rstd = if acc == DataType::F64 {
         as_f64::<f64>(&rstd_buf)
     } else {
@@ -367,6 +399,51 @@ fn attributes_are_validated_at_instantiation() {
     )
     .unwrap_err();
     assert!(err.contains("invalid attribute `row_len`"), "{err}");
+    // The backward that takes rstd itself checks its eps as the forward does.
+    let err = instantiate(
+        &ctx,
+        &BACKWARD_BUNDLE,
+        vec![
+            ("eps", OwnedAttr::scalar(-1.0f32)),
+            ("has_weight", OwnedAttr::pred(true)),
+            ("row_len", OwnedAttr::scalar(4i64)),
+        ],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("invalid attribute `eps`: must be finite and >= 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_backward_taking_rstd_from_x_refuses_an_rstd_operand() {
+    register();
+    let ctx = FakeContext::new();
+    instantiate(
+        &ctx,
+        &BACKWARD_BUNDLE,
+        vec![
+            ("eps", OwnedAttr::scalar(1e-5f32)),
+            ("has_weight", OwnedAttr::pred(false)),
+            ("row_len", OwnedAttr::scalar(4i64)),
+        ],
+    )
+    .unwrap();
+    let x = OwnedBuffer::from_values(&[2, 4], &[1.0f32; 8]);
+    let e = FrameBuilder::new(Stage::Execute)
+        .arg(x.clone())
+        .arg(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .arg(x.clone())
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2, 4]))
+        .build(&ctx)
+        .call(BACKWARD_BUNDLE.handler(Stage::Execute).unwrap())
+        .unwrap_err()
+        .1;
+    assert!(
+        e.contains("wrong number of arguments: expected 2, got 3"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -623,26 +700,55 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                 Some(&mut want_acc),
             )
         });
-        for kernel in Kernel::available() {
-            let inputs = BackwardInputs {
-                x: &x,
-                dy: &dy,
-                rstd: &rstd,
-                w: Some(&w[..]),
-                n,
-                rows_per_group: rows,
-                kernel,
+        let check_kernels =
+            |rstd: RowRstd<'_, f32>, want_dx: &[T], want_acc: &[f64], form: &str| {
+                for kernel in Kernel::available() {
+                    let inputs = BackwardInputs {
+                        x: &x,
+                        dy: &dy,
+                        rstd,
+                        w: Some(&w[..]),
+                        n,
+                        rows_per_group: rows,
+                        kernel,
+                    };
+                    let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+                    kernel.run(|| inputs.rows_from(0, &mut dx, Some(&mut acc)));
+                    let what = format!("{kernel:?} n={n} rows={rows} rstd {form}");
+                    let first_diff = nan_bits(&dx)
+                        .iter()
+                        .zip(nan_bits(want_dx))
+                        .position(|(a, b)| *a != b);
+                    assert_eq!(first_diff, None, "dx {what}");
+                    assert_eq!(nan_bits(&acc), nan_bits(want_acc), "dweight {what}");
+                }
             };
-            let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
-            kernel.run(|| inputs.rows_from(0, &mut dx, Some(&mut acc)));
-            let what = format!("{kernel:?} n={n} rows={rows}");
-            let first_diff = bits(&dx)
-                .iter()
-                .zip(bits(&want_dx))
-                .position(|(a, b)| *a != b);
-            assert_eq!(first_diff, None, "dx {what}");
-            assert_eq!(bits(&acc), bits(&want_acc), "dweight {what}");
-        }
+        check_kernels(RowRstd::Given(&rstd), &want_dx, &want_acc, "given");
+        // rstd taken from x, block by block: the bits of the forward's rstd given.
+        let eps = 1e-5f32;
+        let forward_rstd: Vec<f32> = x
+            .chunks_exact(n)
+            .map(|r| math::rstd::<T, f32>(r, eps))
+            .collect();
+        let (mut want_dx, mut want_acc) = (vec![T::default(); n * rows], start_acc.clone());
+        Kernel::Scalar.run(|| {
+            math::backward_rows::<T, W, f32>(
+                &x,
+                &dy,
+                n,
+                |_| Some(&w[..]),
+                &forward_rstd,
+                &mut want_dx,
+                Some(&mut want_acc),
+            )
+        });
+        check_kernels(
+            RowRstd::Given(&forward_rstd),
+            &want_dx,
+            &want_acc,
+            "forward given",
+        );
+        check_kernels(RowRstd::FromX(eps), &want_dx, &want_acc, "from x");
     }
     for (n, rows) in [
         (1, 1),

@@ -197,6 +197,13 @@ impl Instantiate for GpuBackward {
     type Attrs<'a> = BackwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: BackwardAttrs) -> FfiResult<GpuBackwardState> {
         let row_len = check_row_len(attrs.row_len)?;
+        if let Some(eps) = attrs.eps {
+            // The kernels read the forward's rstd; the Python lowering passes it on CUDA.
+            return Err(FfiError::invalid_argument(format!(
+                "attribute `eps` ({eps}): the CUDA backward takes rstd as an operand; a \
+                 backward that takes rstd itself from x is CPU only"
+            )));
+        }
         compile_for_visible_devices()?;
         Ok(GpuBackwardState {
             live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState"),
@@ -218,7 +225,7 @@ impl Initialize for GpuBackward {
         mut rets: ResultList<'_, Cuda>,
         (): (),
     ) -> FfiResult<()> {
-        let ops = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        let ops = backward_operands(&args, &mut rets, state.has_weight, true, state.row_len)?;
         backward_slot(state, ctx, Stage::Initialize, ops.x.dtype(), ops.layout)?;
         Ok(())
     }
@@ -388,11 +395,12 @@ impl Execute for GpuBackward {
             dw,
             pair,
             layout,
-        } = backward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        } = backward_operands(&args, &mut rets, state.has_weight, true, state.row_len)?;
         let n = layout.n;
         if n == 0 || (layout.rows == 0 && (dw.is_none() || layout.groups == 0)) {
             return Ok(());
         }
+        let rstd = rstd.ok_or_else(|| FfiError::internal("CUDA backward without rstd"))?;
         let cell = backward_slot(state, ctx, Stage::Execute, x.dtype(), layout)?;
         let slot = cell
             .get()
