@@ -65,13 +65,30 @@ def _forward_call(x, weight, eps: float, typed: bool = True, residual=None):
     return tuple(out)
 
 
-def _backward_call(x, weight, rstd, dy, typed: bool = True):
+def _backward_call(x, weight, rstd, dy, eps, typed: bool = True):
+    """``(dx, dweight)``. With ``eps`` (not None), ``rstd`` is the forward's of x with that eps
+    (as the VJP passes it), and on CPU the call takes it itself from x and eps instead of
+    reading it: the same bits, from rows the backward reads anyway. Then nothing in a program
+    that only wants gradients reads the forward's results, and XLA drops the forward call. On
+    CUDA the kernels read ``rstd``."""
     results = [_struct(x, x.shape, x.dtype, typed)]
     if weight is not None:
         results.append(_struct(weight, weight.shape, weight.dtype, typed))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results))
-    args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
-    out = call(*args, has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    attrs = dict(has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    w = () if weight is None else (weight,)
+
+    def given(x, rstd, dy, *w):
+        return tuple(call(x, *w, rstd, dy, **attrs))
+
+    if eps is None:
+        out = given(x, rstd, dy, *w)
+    else:
+
+        def from_x(x, rstd, dy, *w):
+            return tuple(call(x, *w, dy, eps=np.float32(eps), **attrs))
+
+        out = jax.lax.platform_dependent(x, rstd, dy, *w, cpu=from_x, default=given)
     return (out[0], None) if weight is None else (out[0], out[1])
 
 
@@ -214,7 +231,7 @@ def _forward_partition(eps, residual, mesh, arg_shapes, result_shape):
     return mesh, _per_shard_forward(eps, residual), results, args
 
 
-def _per_shard_backward(mesh, arg_shapes):
+def _per_shard_backward(mesh, arg_shapes, eps):
     """The backward one device runs on its shard: the call on its rows (padding masked), then
     the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows."""
     has_weight = len(arg_shapes) == 4
@@ -228,8 +245,10 @@ def _per_shard_backward(mesh, arg_shapes):
 
     def run(*operands):
         x, weight, rstd, dy = operands if has_weight else (operands[0], None, *operands[1:])
-        x, rstd, dy = _masked(_row_mask(mesh, x_global, rows, x), x, rstd, dy)
-        dx, dw = _backward_call(x, weight, rstd, dy, typed=False)
+        mask = _row_mask(mesh, x_global, rows, x)
+        x, rstd, dy = _masked(mask, x, rstd, dy)
+        # Padding rows have a masked rstd, which x (zero there) and eps=0 would not give.
+        dx, dw = _backward_call(x, weight, rstd, dy, eps if mask is None else None, typed=False)
         if not has_weight:
             return (dx,)
         if scattered:
@@ -244,9 +263,9 @@ def _per_shard_backward(mesh, arg_shapes):
     return run
 
 
-def _backward_partition(mesh, arg_shapes, result_shape):
+def _backward_partition(eps, mesh, arg_shapes, result_shape):
     args, results = _backward_shardings(mesh, arg_shapes)
-    return mesh, _per_shard_backward(mesh, arg_shapes), results, args
+    return mesh, _per_shard_backward(mesh, arg_shapes, eps), results, args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,10 +304,10 @@ def explicit_forward(operands, eps, out_avals, residual: bool = False):
     return _typed_like(_shard_mapped(_per_shard_forward(eps, residual), operands, shardings), out_avals)
 
 
-def explicit_backward(operands, out_avals):
+def explicit_backward(operands, eps, out_avals):
     shapes = [jax.typeof(o) for o in operands]
     mesh = shapes[0].sharding.mesh
-    outs = _shard_mapped(_per_shard_backward(mesh, shapes), operands, _backward_shardings(mesh, shapes))
+    outs = _shard_mapped(_per_shard_backward(mesh, shapes, eps), operands, _backward_shardings(mesh, shapes))
     return _typed_like(outs, out_avals)
 
 
@@ -344,21 +363,21 @@ def _make_forward(has_weight: bool, residual: bool):
 def _make_backward(has_weight: bool):
     if has_weight:
 
-        def backward(x, weight, rstd, dy):
-            return _backward_call(x, weight, rstd, dy)
+        def backward(x, weight, rstd, dy, eps):
+            return _backward_call(x, weight, rstd, dy, eps)
 
     else:
 
-        def backward(x, rstd, dy):
-            return _backward_call(x, None, rstd, dy)[:1]
+        def backward(x, rstd, dy, eps):
+            return _backward_call(x, None, rstd, dy, eps)[:1]
 
-    fn = custom_partitioning(backward)
+    fn = custom_partitioning(backward, static_argnums=(3 + has_weight,))
     fn.def_partition(
         partition=_backward_partition,
-        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _backward_shardings(
+        infer_sharding_from_operands=lambda eps, mesh, arg_shapes, result_shape: _backward_shardings(
             mesh, arg_shapes
         )[1],
-        sharding_rule=lambda mesh, value_types, result_types: _shardy_rule(
+        sharding_rule=lambda eps, mesh, value_types, result_types: _shardy_rule(
             value_types, len(value_types[1].shape) - 1 if has_weight else None, "backward"
         ),
     )
@@ -374,5 +393,7 @@ def partitioned_forward(has_weight: bool, residual: bool = False):
 
 @functools.cache
 def partitioned_backward(has_weight: bool):
-    """``f(x, [weight], rstd, dy) -> (dx, [dweight])``, partitioned as the module docstring says."""
-    return _make_backward(has_weight)
+    """``f(x, [weight], rstd, dy, eps=...) -> (dx, [dweight])``, partitioned as the module
+    docstring says (``eps``: see `_backward_call`)."""
+    fn = _make_backward(has_weight)
+    return lambda *args, eps: fn(*args, eps)

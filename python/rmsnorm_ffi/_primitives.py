@@ -2,7 +2,9 @@
 
 - ``rmsnorm_fwd``: ``(x, [weight]) -> (y, rstd)``, lowered to the Rust forward.
 - ``rmsnorm_bwd``: ``(x, [weight], rstd, dy) -> (dx, [dweight])``, lowered to the fused Rust
-  backward.
+  backward. Its ``eps`` is None from `rms_norm_bwd` (any rstd); the VJP sets it, promising that
+  rstd is the forward's of x with that eps: the CPU call then takes rstd from x itself, so XLA
+  drops a forward whose y nothing reads (a gradient-only program).
 - ``rmsnorm_residual_fwd``: ``(x, residual, [weight]) -> (y, h, rstd)`` with ``h = x + residual``
   rounded to x's dtype and ``(y, rstd)`` the forward of ``h``: one fused Rust pass. Its JVP is
   ``th = tx + tresidual`` and the forward's tangent at ``h``, so its reverse mode is the same
@@ -81,16 +83,17 @@ def residual_forward(x, residual, weight, eps: float):
     return tuple(residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
 
 
-def backward(x, weight, rstd, dy):
-    """``(dx, dweight)``; dweight is None without weight."""
+def backward(x, weight, rstd, dy, eps=None):
+    """``(dx, dweight)``; dweight is None without weight. ``eps`` (from the VJP): ``rstd`` is
+    the forward's of x with this eps, which lets the CPU take it from x (`_partitioning`)."""
     args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
-    out = backward_p.bind(*_aligned(*args), has_weight=weight is not None)
+    out = backward_p.bind(*_aligned(*args), has_weight=weight is not None, eps=eps)
     return (out[0], None) if weight is None else (out[0], out[1])
 
 
-def _tangent(x, weight, rstd, tx, tw):
+def _tangent(x, weight, rstd, tx, tw, eps):
     args = (x, rstd, tx) if weight is None else (x, weight, rstd, tx, tw)
-    return tuple(tangent_p.bind(*_aligned(*args), has_weight=weight is not None))
+    return tuple(tangent_p.bind(*_aligned(*args), has_weight=weight is not None, eps=eps))
 
 
 def _split(args, has_weight: bool, names: str):
@@ -122,7 +125,7 @@ def _residual_abstract(*avals, eps, has_weight):
     return [y, y, rstd]
 
 
-def _backward_abstract(*avals, has_weight):
+def _backward_abstract(*avals, has_weight, eps):
     x, w, _, _ = _split(avals, has_weight, "xwrd")
     out = [x.update(weak_type=False)]
     if has_weight:
@@ -131,7 +134,7 @@ def _backward_abstract(*avals, has_weight):
     return out
 
 
-def _tangent_abstract(*avals, has_weight):
+def _tangent_abstract(*avals, has_weight, eps):
     x, _, rstd, _, _ = _split(avals, has_weight, "xwrtv")
     return [x.update(weak_type=False), rstd]
 
@@ -166,13 +169,14 @@ def _residual_lowered(*args, eps, has_weight):
     return _partitioning.partitioned_forward(has_weight, residual=True)(*args, eps=eps)
 
 
-def _backward_lowered(*args, has_weight):
+def _backward_lowered(*args, has_weight, eps):
     if _partitioning.is_explicit(jax.typeof(args[0])):
-        return _partitioning.explicit_backward(args, _backward_abstract(*map(jax.typeof, args), has_weight=has_weight))
-    return _partitioning.partitioned_backward(has_weight)(*args)
+        avals = _backward_abstract(*map(jax.typeof, args), has_weight=has_weight, eps=eps)
+        return _partitioning.explicit_backward(args, eps, avals)
+    return _partitioning.partitioned_backward(has_weight)(*args, eps=eps)
 
 
-def _tangent_math(*args, has_weight):
+def _tangent_math(*args, has_weight, eps):
     x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
     return list(_math.tangent(x, w, rstd, tx, tw))
 
@@ -286,18 +290,18 @@ def _residual_batch(args, dims, *, eps, has_weight):
     return residual_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0, 0]
 
 
-def _backward_batch(args, dims, *, has_weight):
+def _backward_batch(args, dims, *, has_weight, eps):
     # Per-example weight gradients: the weight is batched whenever anything is.
     roles = "xwxx" if has_weight else "xxx"
     folded = _fold(args, dims, roles, weight_batched_out=True)
-    out = backward_p.bind(*folded, has_weight=has_weight)
+    out = backward_p.bind(*folded, has_weight=has_weight, eps=eps)
     return out, [0] * len(out)
 
 
-def _tangent_batch(args, dims, *, has_weight):
+def _tangent_batch(args, dims, *, has_weight, eps):
     roles = "xwxxw" if has_weight else "xxx"
     folded = _fold(args, dims, roles, weight_batched_out=False)
-    return tangent_p.bind(*folded, has_weight=has_weight), [0, 0]
+    return tangent_p.bind(*folded, has_weight=has_weight, eps=eps), [0, 0]
 
 
 batching.primitive_batchers[forward_p] = _forward_batch
@@ -319,7 +323,7 @@ def _forward_jvp(primals, tangents, *, eps, has_weight):
     y, rstd = forward(x, w, eps)
     tx = _instantiate(tangents[0])
     tw = _instantiate(tangents[1]) if has_weight else None
-    ty, trstd = _tangent(x, w, rstd, tx, tw)
+    ty, trstd = _tangent(x, w, rstd, tx, tw, eps)
     return (y, rstd), (ty, trstd)
 
 
@@ -333,11 +337,11 @@ def _residual_jvp(primals, tangents, *, eps, has_weight):
         th = _instantiate(tx) if type(tres) is ad.Zero else (
             _instantiate(tres) if type(tx) is ad.Zero else tx + tres)
     tw = _instantiate(tangents[2]) if has_weight else None
-    ty, trstd = _tangent(h, w, rstd, th, tw)
+    ty, trstd = _tangent(h, w, rstd, th, tw, eps)
     return (y, h, rstd), (ty, th, trstd)
 
 
-def _tangent_transpose(cts, *args, has_weight):
+def _tangent_transpose(cts, *args, has_weight, eps):
     x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
     ct_y, ct_rstd = cts
     for primal in (x, w, rstd):
@@ -350,7 +354,7 @@ def _tangent_transpose(cts, *args, has_weight):
         return none
     if type(ct_y) is ad.Zero:
         ct_y = jnp.zeros(x.shape, x.dtype)
-    dx, dw = backward(x, w, rstd, ct_y)  # the fused Rust backward
+    dx, dw = backward(x, w, rstd, ct_y, eps)  # the fused Rust backward
     if type(ct_rstd) is not ad.Zero:
         dx = dx + _math.rstd_cotangent(x, rstd, ct_rstd)
     out = [None, None, None, dx if want_x else None, dw if want_w else None]
@@ -371,7 +375,7 @@ def _math_jvp(prim, math):
     return jvp
 
 
-def _backward_math(*args, has_weight):
+def _backward_math(*args, has_weight, eps):
     x, w, rstd, dy = _split(args, has_weight, "xwrd")
     dx, dw = _math.backward(x, w, rstd, dy)
     return [dx] if w is None else [dx, dw]

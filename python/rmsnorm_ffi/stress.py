@@ -39,7 +39,7 @@ an error from a target, a leaked state, RSS or workspace growth), 3 when only JA
 were seen (the run proves less than asked, but nothing points at the bundle).
 
 Our RMS norm is one spec among others (:func:`rms_norm_spec`, the command line's default):
-shapes, dtypes, with and without weight, forward and ``jax.grad``. With ``--devices D`` (CPU
+shapes, dtypes, with and without weight, forward and ``jax.grad`` (with y). With ``--devices D`` (CPU
 only) the host is split into D XLA devices and every executable runs its custom calls under
 ``shard_map``: one state then serves D devices at once. With ``--mesh explicit`` the
 executables instead take arrays placed with ``NamedSharding`` on an explicit mesh
@@ -947,28 +947,30 @@ EPS_CHOICES = (1e-6, 1e-5, 1e-3)
 
 
 def numpy_reference(x, w, g, *, kind: str, eps: float) -> list:
-    """The expected outputs in float64 NumPy, independent of JAX: ``y``, or the gradients of
-    ``sum(y.astype(float32) * g)`` (``dx``, and ``dweight`` with a weight)."""
+    """The expected outputs in float64 NumPy, independent of JAX: ``y``, then for the gradient
+    kinds the gradients of ``sum(y.astype(float32) * g)`` (``dx``, and ``dweight`` with a
+    weight)."""
     import numpy as np
 
     weighted = kind.endswith("+w")
     xf = x.astype(np.float64)
     wf = w.astype(np.float64) if weighted else np.ones(x.shape[-1])
     rstd = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(eps))
+    y = xf * rstd * wf
     if not kind.startswith("grad"):
-        return [xf * rstd * wf]
+        return [y]
     dy = g.astype(x.dtype).astype(np.float64)  # the cast to float32 hands back g in x's dtype
     wdy = wf * dy
     dx = rstd * wdy - xf * rstd**3 * np.mean(xf * wdy, axis=-1, keepdims=True)
     if not weighted:
-        return [dx]
-    return [dx, np.sum(xf * rstd * dy, axis=0)]
+        return [y, dx]
+    return [y, dx, np.sum(xf * rstd * dy, axis=0)]
 
 
 def rms_norm_spec(dtypes: Sequence[str] = tuple(sorted(TOLERANCES)), kinds: Sequence[str] = KINDS,
                   shapes: Sequence[tuple[int, int]] = tuple(SHAPES)) -> Spec:
-    """Our RMS norm as a spec: each index draws a shape, dtype, kind (forward or ``jax.grad``,
-    with or without weight) and eps; inputs ``(x, weight, g)`` with ``g`` the cotangent of the
+    """Our RMS norm as a spec: each index draws a shape, dtype, kind (forward, or y and its
+    ``jax.grad``, with or without weight) and eps; inputs ``(x, weight, g)`` with ``g`` the cotangent of the
     gradient kinds; the float64 NumPy reference. Under a ``shard_map`` mesh the forward runs per
     shard inside the gradient (rows over the devices, the weight whole on each)."""
     import numpy as np
@@ -1011,10 +1013,15 @@ def rms_norm_spec(dtypes: Sequence[str] = tuple(sorted(TOLERANCES)), kinds: Sequ
         if not kind.startswith("grad"):
             return fwd(x, w)
 
+        # y and the gradients, from one program: y is one of its outputs, so it runs both call
+        # sites (a gradient alone would not: its CPU backward takes rstd from x, and XLA drops
+        # the forward).
         def loss(x, w):
-            return jnp.sum(fwd(x, w).astype(jnp.float32) * g)
+            y = fwd(x, w)
+            return jnp.sum(y.astype(jnp.float32) * g), y
 
-        return jax.grad(loss, argnums=(0, 1) if weighted else 0)(x, w)
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1) if weighted else 0, has_aux=True)(x, w)
+        return (y, *grads) if weighted else (y, grads)
 
     def tolerance(x, w, g, *, kind, eps):
         return TOLERANCES[str(x.dtype)]

@@ -110,6 +110,39 @@ def test_first_order_reverse_mode_is_the_fused_rust_backward(dtype, fresh_caches
     assert after["rmsnorm_bwd"] - before["rmsnorm_bwd"] == 3
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64])
+@pytest.mark.parametrize("weight", ["same", "float32", None])  # x's dtype, float32, none
+def test_a_gradient_that_does_not_read_y_runs_the_backward_alone(dtype, weight, fresh_caches):
+    # jax.vjp's pullback alone (and any loss linear in y) never reads y, and the CPU backward
+    # the VJP lowers to takes rstd from x itself, bit for bit the forward's: XLA drops the
+    # forward. Its results are those of rms_norm_bwd given the forward's rstd.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((37, 160)) + 0.5, dtype)
+    dy = jnp.asarray(rng.standard_normal((37, 160)), dtype)
+    w = None if weight is None else jnp.asarray(1 + 0.1 * rng.standard_normal(160), dtype if weight == "same" else jnp.float32)
+    args = (x,) if w is None else (x, w)
+    pullback = jax.jit(lambda dy, *a: jax.vjp(lambda *a: rms_norm(*a, eps=1e-3), *a)[1](dy))
+    hlo = pullback.lower(dy, *args).compile().as_text()
+    assert "rmsnorm_bwd" in hlo and "rmsnorm_fwd" not in hlo
+    got = jax.block_until_ready(pullback(dy, *args))
+    before = rmsnorm_ffi.stats()["executions"]
+    jax.block_until_ready(pullback(dy, *args))
+    after = rmsnorm_ffi.stats()["executions"]
+    assert after.get("rmsnorm_fwd", 0) == before.get("rmsnorm_fwd", 0)
+    assert after["rmsnorm_bwd"] - before["rmsnorm_bwd"] == 1
+    _, rstd = rms_norm_fwd(x, w, eps=1e-3)
+    want = rmsnorm_ffi.rms_norm_bwd(x, w, rstd, dy)
+    for g, v in zip(got, want):
+        assert g.dtype == v.dtype and np.array_equal(np.asarray(g), np.asarray(v))
+    # vmap'd (a batched weight: the grouped backward), the same bits as the calls one by one.
+    xs, dys = x.reshape(1, 37, 160), dy.reshape(1, 37, 160)
+    batched = jax.jit(jax.vmap(lambda dy, *a: jax.vjp(lambda *a: rms_norm(*a, eps=1e-3), *a)[1](dy),
+                               in_axes=(0, 0) + ((None,) if w is not None else ())))
+    assert "rmsnorm_fwd" not in batched.lower(dys, xs, *args[1:]).compile().as_text()
+    for g, v in zip(batched(dys, xs, *args[1:]), want):
+        assert np.array_equal(np.asarray(g[0]), np.asarray(v))
+
+
 def test_second_order_derivatives_of_half_precision_match_in_float32():
     # Higher orders are jnp math on the Rust results; half precision takes the same path.
     x, w = _inputs(shape=(4, 64))

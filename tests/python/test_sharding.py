@@ -26,17 +26,21 @@ PRELUDE = textwrap.dedent(
             found.append((m.group(3), int(np.prod(dims)) if dims else 1))
         return found
 
+    def targets(fn, *args):
+        # The custom calls of the compiled HLO, by target.
+        return re.findall(r'custom_call_target="(rmsnorm_\w+)"', fn.lower(*args).compile().as_text())
+
     def count(found, kind):
         return sum(1 for k, _ in found if k == kind)
 
-    def truth(x, w, eps):
-        # float64 NumPy: y, and the gradients of loss = sum(y**2 * c).
+    def truth(x, w, eps, linear=False):
+        # float64 NumPy: y, and the gradients of loss = sum(y**2 * c) (linear: sum(y * c)).
         x = np.asarray(x, np.float64); w = np.asarray(w, np.float64)
         n = x.shape[-1]
         r = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
         y = x * r * w
         c = np.arange(n) / n + 1
-        dy = 2 * y * c
+        dy = np.broadcast_to(c, y.shape) if linear else 2 * y * c
         g = dy * w
         dx = r * (g - x * r * r * np.mean(g * x, -1, keepdims=True))
         dw = np.sum(dy * x * r, axis=tuple(range(x.ndim - 1)))
@@ -73,6 +77,14 @@ PRELUDE = textwrap.dedent(
                 dx_spec=str(tuple(dx.sharding.spec)), x_spec=str(tuple(x.sharding.spec)),
                 fwd=collectives(fwd, x, w), grad=collectives(grad, x, w),
             )
+            # A loss linear in y: its gradient does not read y, so XLA drops the forward.
+            linear = lambda norm: jax.jit(jax.grad(lambda x, w: jnp.sum(norm(take(x), w, eps) * c), (0, 1)))
+            gx, gw = linear(rms_norm)(x, w)
+            _, tgx, tgw = truth(xt, wn, eps, linear=True)
+            if cut is not None:
+                tgx = np.concatenate([tgx, np.zeros_like(xn[cut:])])
+            out.update(linear_targets=targets(linear(rms_norm), x, w),
+                       linear_err=max(rel(gx, tgx), rel(gw, tgw)), grad_targets=targets(grad, x, w))
             jnp_grad = jax.jit(jax.grad(lambda x, w: jnp.sum(rms_norm_reference(take(x), w, eps) ** 2 * c), (0, 1)))
             if mesh.axis_types[0] == AxisType.Auto:
                 out["jnp_grad"] = collectives(jnp_grad, x, w)
@@ -123,12 +135,21 @@ def _gathers(found, n=None):
 
 def _values_ok(r):
     assert r["y_err"] < 2e-6 and r["dx_err"] < 2e-6 and r["dw_err"] < 2e-6, r
+    assert r["linear_err"] < 2e-6, r
+
+
+def _forward_dropped_when_y_is_unused(r):
+    # A gradient that does not read y compiles to the backward alone (its CPU call takes rstd
+    # from x); one that reads y keeps the forward.
+    assert r["linear_targets"] == ["rmsnorm_bwd"], r
+    assert sorted(r["grad_targets"]) == ["rmsnorm_bwd", "rmsnorm_fwd"], r
 
 
 @pytest.mark.parametrize("tag", ["explicit", "auto"])
 def test_rows_sharded_run_per_shard(four, tag):
     r = four[f"{tag} rows"]
     _values_ok(r)
+    _forward_dropped_when_y_is_unused(r)
     assert _gathers(r["fwd"]) == [] and _gathers(r["grad"]) == [], r
     # The weight gradient: one all-reduce of n elements.
     assert [c for c in r["grad"] if c[0] == "all-reduce"] == [["all-reduce", 256]], r
@@ -181,6 +202,8 @@ def test_uneven_rows_keep_padding_out_of_the_weight_gradient(four):
     # 14 rows over 4 devices: XLA pads to 16; with eps=0 a padded zero row has rstd = inf.
     r = four["auto uneven rows eps=0"]
     _values_ok(r)
+    # The padded shards' backward reads the masked rstd, so the forward stays.
+    assert sorted(r["linear_targets"]) == ["rmsnorm_bwd", "rmsnorm_fwd"], r
 
 
 SMALL = PRELUDE + textwrap.dedent(
@@ -220,6 +243,7 @@ def test_one_and_two_devices(devices):
         _values_ok(r)
         assert _gathers(r["fwd"]) == [] and _gathers(r["grad"]) == [], r
         assert [c[0] for c in r["grad"]].count("all-reduce") == (devices > 1), r
+        _forward_dropped_when_y_is_unused(r)
     assert results["explicit rows"]["y_type"] == "float32[8@data,64]"
     scan = results["scan"]
     assert scan["v"] < 1e-6 and scan["gx"] < 1e-5 and scan["gw"] < 1e-5, scan
