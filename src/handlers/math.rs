@@ -4,7 +4,9 @@
 //!
 //! Forward: `rstd = 1 / sqrt(mean(x^2) + eps)`, `y = x * rstd * w`.
 //! Backward, with `xhat = x * rstd` and `g = dy * w`:
-//! `dx = rstd * (g - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`.
+//! `dx = rstd * (g - xhat * c)` with `c = mean(g * xhat) = rstd * mean(g * x)`,
+//! `dw = sum over rows of dy * xhat`. The first pass sums `g * x` and `x^2` together, so a
+//! backward that is not given rstd takes it from that pass, with the forward's bits.
 //!
 //! Elements are widened to the accumulator type (f32, or f64 for f64 input) on load and
 //! narrowed on store. Sums along a row use [`LANES`] independent accumulators, so they
@@ -428,18 +430,16 @@ fn add_squares<T: Element, A: Accum>(mut acc: [A; LANES], x: &[T; LANES]) -> [A;
     acc
 }
 
-/// `acc + g * (x * r)` lane by lane with `g = dy * w` (or `dy`), by value as
-/// [`add_squares`].
+/// `acc + g * x` lane by lane with `g = dy * w` (or `dy`), by value as [`add_squares`].
 #[inline(always)]
 fn add_dot<T: Element, W: Element, A: Accum>(
     mut acc: [A; LANES],
     x: &[T; LANES],
     dy: &[T; LANES],
     w: Option<&[W; LANES]>,
-    r: A,
 ) -> [A; LANES] {
     for l in 0..LANES {
-        acc[l] = acc[l] + grad_out::<T, W, A>(dy[l], w.map(|w| w[l])) * (A::load(x[l]) * r);
+        acc[l] = acc[l] + grad_out::<T, W, A>(dy[l], w.map(|w| w[l])) * A::load(x[l]);
     }
     acc
 }
@@ -626,10 +626,45 @@ fn grad_out<T: Element, W: Element, A: Accum>(dy: T, w: Option<W>) -> A {
     }
 }
 
-/// `sum(g * xhat)` with `g = dy * w` (or `dy`) and `xhat = x * r`.
+/// Where a backward's per-row rstd come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Rstd<'a, A> {
+    /// Given (the forward's), one per row.
+    Given(&'a [A]),
+    /// Taken from the row's own sum of squares and this eps: the forward's bits, since the
+    /// backward sums the squares in [`sum_squares`]'s order.
+    FromX(A),
+}
+
+impl<'a, A: Accum> Rstd<'a, A> {
+    /// Row `i`'s rstd, given the sum of squares of its `n` elements.
+    #[inline(always)]
+    pub fn of(self, i: usize, sum_sq: f64, n: usize) -> A {
+        match self {
+            Rstd::Given(r) => r[i],
+            Rstd::FromX(eps) => rstd_of(sum_sq, n, eps),
+        }
+    }
+
+    /// The same, for rows `first..` (a range of the rows these were for).
+    #[inline(always)]
+    pub fn from_row(self, first: usize) -> Rstd<'a, A> {
+        match self {
+            Rstd::Given(r) => Rstd::Given(&r[first..]),
+            from_x => from_x,
+        }
+    }
+}
+
+/// A row's first backward pass: `(sum(g * x), sum(x^2))` with `g = dy * w` (or `dy`), both
+/// blocked as [`sum_squares`] blocks (so the second is its bits).
 #[inline(always)]
-fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[T], r: A) -> f64 {
-    let mut sum = RowSum::new();
+pub fn row_sums<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    dy: &[T],
+) -> (f64, f64) {
+    let (mut dot, mut sq) = (RowSum::new(), RowSum::new());
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
     let blocks = xb.chunks(BLOCK_CHUNKS).zip(db.chunks(BLOCK_CHUNKS));
@@ -638,55 +673,73 @@ fn dot_g_xhat<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, dy: &[
         Some(w) => {
             let (wb, wt) = w.as_chunks::<LANES>();
             for ((xk, dk), wk) in blocks.zip(wb.chunks(BLOCK_CHUNKS)) {
-                let mut acc = [A::ZERO; LANES];
+                let (mut acc, mut q) = ([A::ZERO; LANES], [A::ZERO; LANES]);
                 for ((xs, ds), ws) in xk.iter().zip(dk).zip(wk) {
-                    acc = add_dot(acc, xs, ds, Some(ws), r);
+                    acc = add_dot(acc, xs, ds, Some(ws));
+                    q = add_squares(q, xs);
                 }
-                sum.add(&acc);
+                dot.add(&acc);
+                sq.add(&q);
             }
-            acc = tail_dot(xt, dt, wt, r);
+            acc = tail_dot(xt, dt, wt);
         }
         None => {
             for (xk, dk) in blocks {
-                let mut acc = [A::ZERO; LANES];
+                let (mut acc, mut q) = ([A::ZERO; LANES], [A::ZERO; LANES]);
                 for (xs, ds) in xk.iter().zip(dk) {
-                    acc = add_dot::<T, W, A>(acc, xs, ds, None, r);
+                    acc = add_dot::<T, W, A>(acc, xs, ds, None);
+                    q = add_squares(q, xs);
                 }
-                sum.add(&acc);
+                dot.add(&acc);
+                sq.add(&q);
             }
             for ((a, &xi), &di) in acc.iter_mut().zip(xt).zip(dt) {
-                *a = *a + A::load(di) * (A::load(xi) * r);
+                *a = *a + A::load(di) * A::load(xi);
             }
         }
     }
-    sum.add(&acc);
-    sum.total()
+    dot.add(&acc);
+    sq.add(&tail_squares::<T, A>(xt));
+    (dot.total(), sq.total())
 }
 
-/// The last block of a row's `sum(g * xhat)` with a weight: its tail of fewer than [`LANES`]
+/// The last block of a row's `sum(g * x)` with a weight: its tail of fewer than [`LANES`]
 /// elements, one per lane.
 #[inline(always)]
-pub fn tail_dot<T: Element, W: Element, A: Accum>(x: &[T], dy: &[T], w: &[W], r: A) -> [A; LANES] {
+pub fn tail_dot<T: Element, W: Element, A: Accum>(x: &[T], dy: &[T], w: &[W]) -> [A; LANES] {
     let mut acc = [A::ZERO; LANES];
     for (((a, &xi), &di), &wi) in acc.iter_mut().zip(x).zip(dy).zip(w) {
-        *a = *a + grad_out::<T, W, A>(di, Some(wi)) * (A::load(xi) * r);
+        *a = *a + grad_out::<T, W, A>(di, Some(wi)) * A::load(xi);
     }
     acc
 }
 
-/// `mean(g * xhat)` of a row of `n`, rounded once to `A`.
+/// `c = mean(g * xhat) = r * sum(g * x) / n` of a row of `n`, taken in float64 and rounded
+/// once to `A`.
 #[inline(always)]
-pub fn mean_of<A: Accum>(sum: f64, n: usize) -> A {
-    A::from_f64(sum / n as f64)
+pub fn coefficient<A: Accum>(dot: f64, n: usize, r: A) -> A {
+    A::from_f64(dot / n as f64 * r.to_f64())
 }
 
-/// One row of the backward pass: writes `dx` and, when `dw_acc` is given, adds this row's
-/// `dy * xhat` to it.
+/// Row `i`'s `(rstd, c)` from its first pass's sums.
+#[inline(always)]
+pub fn row_factors<A: Accum>(
+    rstd: Rstd<'_, A>,
+    i: usize,
+    (dot, sq): (f64, f64),
+    n: usize,
+) -> (A, A) {
+    let r = rstd.of(i, sq, n);
+    (r, coefficient(dot, n, r))
+}
+
+/// One row of the backward pass (row 0 of `rstd`): writes `dx` and, when `dw_acc` is given,
+/// adds this row's `dy * xhat` to it.
 #[inline(always)]
 pub fn backward_row<T: Element, W: Element, A: Accum>(
     x: &[T],
     w: Option<&[W]>,
-    r: A,
+    rstd: Rstd<'_, A>,
     dy: &[T],
     dx: &mut [T],
     dw_acc: Option<&mut [A::Wide]>,
@@ -695,7 +748,7 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
     if n == 0 {
         return;
     }
-    let c = mean_of::<A>(dot_g_xhat(x, w, dy, r), n);
+    let (r, c) = row_factors(rstd, 0, row_sums::<T, W, A>(x, w, dy), n);
     backward_second_pass(x, w, r, c, dy, dx, dw_acc);
 }
 
@@ -786,37 +839,50 @@ fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
 /// Backward pass with a weight and an accumulator, two rows per loop: one loop writes rows
 /// `i` and `i + 1` (their dx and their gradient contributions, added to each other in `A` and
 /// then once to the accumulator, so it is loaded, widened into and stored once per two rows)
-/// and takes the dot products of rows `i + 2` and `i + 3`. Rows pair from the first; a last
-/// odd row adds alone. Bit-identical to [`backward_rows`].
+/// and takes the first-pass sums of rows `i + 2` and `i + 3`. Rows pair from the first; a
+/// last odd row adds alone. Bit-identical to [`backward_rows`].
 #[inline(always)]
 pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     x: &[T],
     dy: &[T],
     n: usize,
     w: &[W],
-    rstd: &[A],
+    rstd: Rstd<'_, A>,
     dx: &mut [T],
     acc: &mut [A::Wide],
 ) {
-    let rows = rstd.len();
-    if n == 0 || rows == 0 {
+    if n == 0 || dx.len() < n {
         return;
     }
+    let rows = dx.len() / n;
     let row = |i: usize| i * n..(i + 1) * n;
-    let dot = |i: usize| mean_of::<A>(dot_g_xhat(&x[row(i)], Some(w), &dy[row(i)], rstd[i]), n);
-    let mut c = [dot(0), if rows > 1 { dot(1) } else { A::ZERO }];
+    let factors = |i: usize| {
+        row_factors(
+            rstd,
+            i,
+            row_sums::<T, W, A>(&x[row(i)], Some(w), &dy[row(i)]),
+            n,
+        )
+    };
+    let mut rc = [
+        factors(0),
+        if rows > 1 {
+            factors(1)
+        } else {
+            (A::ZERO, A::ZERO)
+        },
+    ];
     let mut i = 0;
     while i + 1 < rows {
-        let (r0, r1) = (rstd[i], rstd[i + 1]);
-        let (c0, c1) = (c[0], c[1]);
+        let [(r0, c0), (r1, c1)] = rc;
         let (x0, x1) = (&x[row(i)], &x[row(i + 1)]);
         let (d0, d1) = (&dy[row(i)], &dy[row(i + 1)]);
         let (o0, o1) = dx[i * n..(i + 2) * n].split_at_mut(n);
         if i + 3 < rows {
-            let (r2, r3) = (rstd[i + 2], rstd[i + 3]);
             let (x2, x3) = (&x[row(i + 2)], &x[row(i + 3)]);
             let (d2, d3) = (&dy[row(i + 2)], &dy[row(i + 3)]);
             let (mut s2, mut s3) = (RowSum::new(), RowSum::new());
+            let (mut t2, mut t3) = (RowSum::new(), RowSum::new());
             let (wb, wt) = w.as_chunks::<LANES>();
             let (ab, at) = acc.as_chunks_mut::<LANES>();
             let (x0b, x0t) = x0.as_chunks::<LANES>();
@@ -843,6 +909,7 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                     .zip(&x3b[k.clone()])
                     .zip(d2b[k.clone()].iter().zip(&d3b[k]));
                 let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
+                let (mut q2, mut q3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
                 for (
                     (((ws, accs), (xs0, xs1)), (ds0, ds1)),
                     ((os0, os1), ((xs2, xs3), (ds2, ds3))),
@@ -858,11 +925,15 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                         os1[l] = (r1 * (g1 * wl - h1 * c1)).store();
                         accs[l] = accs[l].add((g0 * h0 + g1 * h1).to_f64());
                     }
-                    a2 = add_dot(a2, xs2, ds2, Some(ws), r2);
-                    a3 = add_dot(a3, xs3, ds3, Some(ws), r3);
+                    a2 = add_dot(a2, xs2, ds2, Some(ws));
+                    a3 = add_dot(a3, xs3, ds3, Some(ws));
+                    q2 = add_squares(q2, xs2);
+                    q3 = add_squares(q3, xs3);
                 }
                 s2.add(&a2);
                 s3.add(&a3);
+                t2.add(&q2);
+                t3.add(&q3);
             }
             let (mut a2, mut a3) = ([A::ZERO; LANES], [A::ZERO; LANES]);
             for l in 0..wt.len() {
@@ -874,12 +945,17 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                 let g1 = A::load(d1t[l]);
                 o1t[l] = (r1 * (g1 * wl - h1 * c1)).store();
                 at[l] = at[l].add((g0 * h0 + g1 * h1).to_f64());
-                a2[l] = a2[l] + A::load(d2t[l]) * wl * (A::load(x2t[l]) * r2);
-                a3[l] = a3[l] + A::load(d3t[l]) * wl * (A::load(x3t[l]) * r3);
+                a2[l] = a2[l] + A::load(d2t[l]) * wl * A::load(x2t[l]);
+                a3[l] = a3[l] + A::load(d3t[l]) * wl * A::load(x3t[l]);
             }
             s2.add(&a2);
             s3.add(&a3);
-            c = [mean_of::<A>(s2.total(), n), mean_of::<A>(s3.total(), n)];
+            t2.add(&tail_squares::<T, A>(x2t));
+            t3.add(&tail_squares::<T, A>(x3t));
+            rc = [
+                row_factors(rstd, i + 2, (s2.total(), t2.total()), n),
+                row_factors(rstd, i + 3, (s3.total(), t3.total()), n),
+            ];
         } else {
             backward_pair_second_pass(
                 (x0, x1),
@@ -891,7 +967,7 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
                 acc,
             );
             if i + 2 < rows {
-                c = [dot(i + 2), A::ZERO];
+                rc = [factors(i + 2), (A::ZERO, A::ZERO)];
             }
         }
         i += 2;
@@ -900,8 +976,8 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
         backward_second_pass(
             &x[row(i)],
             Some(w),
-            rstd[i],
-            c[0],
+            rc[0].0,
+            rc[0].1,
             &dy[row(i)],
             &mut dx[row(i)],
             Some(acc),
@@ -909,7 +985,7 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     }
 }
 
-/// Backward pass over consecutive rows of `n` (`rstd.len()` rows), row by row: the rows
+/// Backward pass over consecutive rows of `n` (as many as `dx` holds), row by row: the rows
 /// without a weight, any rows [`backward_rows_paired`] does not cover, and the reference the
 /// multi-row loops are tested against. With an accumulator, rows add to it in pairs, as
 /// [`backward_rows_paired`] adds them.
@@ -919,26 +995,34 @@ pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     dy: &[T],
     n: usize,
     w_of: impl Fn(usize) -> Option<&'w [W]>,
-    rstd: &[A],
+    rstd: Rstd<'_, A>,
     dx: &mut [T],
     mut acc: Option<&mut [A::Wide]>,
 ) {
     if n == 0 {
         return;
     }
-    let rows = rstd.len().min(dx.len() / n);
+    let rows = dx.len() / n;
     let row = |i: usize| i * n..(i + 1) * n;
-    let c_of = |i: usize| mean_of::<A>(dot_g_xhat(&x[row(i)], w_of(i), &dy[row(i)], rstd[i]), n);
+    let factors = |i: usize| {
+        row_factors(
+            rstd,
+            i,
+            row_sums::<T, W, A>(&x[row(i)], w_of(i), &dy[row(i)]),
+            n,
+        )
+    };
     let mut i = 0;
     while i < rows {
         match acc.as_deref_mut() {
             Some(acc) if i + 1 < rows => {
                 let (o0, o1) = dx[i * n..(i + 2) * n].split_at_mut(n);
+                let ((r0, c0), (r1, c1)) = (factors(i), factors(i + 1));
                 backward_pair_second_pass(
                     (&x[row(i)], &x[row(i + 1)]),
                     (w_of(i), w_of(i + 1)),
-                    (rstd[i], rstd[i + 1]),
-                    (c_of(i), c_of(i + 1)),
+                    (r0, r1),
+                    (c0, c1),
                     (&dy[row(i)], &dy[row(i + 1)]),
                     (o0, o1),
                     acc,
@@ -947,7 +1031,7 @@ pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
             }
             acc => {
                 let (xr, dr) = (&x[row(i)], &dy[row(i)]);
-                backward_row(xr, w_of(i), rstd[i], dr, &mut dx[row(i)], acc);
+                backward_row(xr, w_of(i), rstd.from_row(i), dr, &mut dx[row(i)], acc);
                 i += 1;
             }
         }
@@ -1004,7 +1088,7 @@ mod tests {
         }
         let mut dx = vec![0.0f32; n];
         let mut dw = vec![0.0f64; n];
-        backward_row::<f32, f32, f32>(&x, Some(&w), r, &dy, &mut dx, Some(&mut dw));
+        backward_row::<f32, f32, f32>(&x, Some(&w), Rstd::Given(&[r]), &dy, &mut dx, Some(&mut dw));
         let c: f64 = (0..n)
             .map(|j| dy[j] as f64 * w[j] as f64 * x[j] as f64 * r64)
             .sum::<f64>()

@@ -5,8 +5,9 @@
 //! same operations in the same order per lane, so their results are bit-identical to the
 //! portable ones (tested on every instruction set), in a different order over memory:
 //!
-//! 1. the sums of squares (backward: the dot products) of two rows at a time: two independent
-//!    add chains, so the loop is bound by loads, not by the latency of one chain;
+//! 1. the sums of squares (backward: the dot products and the sums of squares) of two rows at
+//!    a time: independent add chains, so the loop is bound by loads, not by the latency of one
+//!    chain;
 //! 2. then the second pass (`y = x * rstd * w`; backward: dx and the weight gradient) in
 //!    column tiles over a group of rows, so a tile of the weight (and of the float64 gradient
 //!    row) stays in L1 while every row uses it, and the group's x (and dy) is re-read from L2.
@@ -46,8 +47,8 @@ use half::bf16;
 use pulp::x86::V4;
 
 use crate::handlers::math::{
-    mean_of, rstd_of, sum_squares, tail_dot, tail_squares, Accum, Element, RowSum, Typed, TypedMut,
-    WideSum, BLOCK_CHUNKS, LANES,
+    row_factors, rstd_of, sum_squares, tail_dot, tail_squares, Accum, Element, RowSum, Rstd, Typed,
+    TypedMut, WideSum, BLOCK_CHUNKS, LANES,
 };
 
 /// Columns per tile of the scaling pass: 4 KiB of a float32 weight.
@@ -400,16 +401,17 @@ fn scale_rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
 }
 
 /// Elements of x (and as many of dy) per group of rows in the backward: a group's x and dy
-/// (256 KiB in float32) stay in L2 between the dot products and the second pass.
+/// (256 KiB in float32) stay in L2 between the first pass (the sums) and the second.
 const BACKWARD_GROUP_ELEMENTS: usize = 32 * 1024;
 /// Most rows per group (the group's coefficients live on the stack).
 const BACKWARD_GROUP_ROWS: usize = 64;
 
-/// The backward pass with a weight and its gradient over `rstd.len()` consecutive rows of `n`,
+/// The backward pass with a weight and its gradient over consecutive rows of `n` (as many as
+/// `dx` holds), their rstd given or taken from the first pass's sums of squares,
 /// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining the
 /// rows' `dy * xhat` a pair at a time, in row order), when x is float32 or bfloat16, the
 /// weight float32 or bfloat16 and the accumulator float32. Returns false, having written
-/// nothing, for any other types. Rows go in groups: the dot products of two rows at a time,
+/// nothing, for any other types. Rows go in groups: the first pass's sums of two rows at a time,
 /// then the second pass in column tiles over the group's rows, so a tile of the weight and of
 /// the float64 gradient row stays in L1 while every row of the group adds to it.
 #[inline(always)]
@@ -420,7 +422,7 @@ pub fn backward_rows<T: Element, W: Element, A: Accum>(
     dy: &[T],
     n: usize,
     w: &[W],
-    rstd: &[A],
+    rstd: Rstd<'_, A>,
     dx: &mut [T],
     acc: &mut [A::Wide],
 ) -> bool {
@@ -449,7 +451,7 @@ fn backward_with_weight<X: Lane, W: Element, A: Accum>(
     dy: &[X],
     n: usize,
     w: &[W],
-    rstd: &[A],
+    rstd: Rstd<'_, A>,
     dx: &mut [X],
     acc: &mut [f64],
 ) -> bool {
@@ -469,7 +471,7 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
     dy: &[X],
     n: usize,
     w: &[W],
-    rstd: &[A],
+    rstd: Rstd<'_, A>,
     dx: &mut [X],
     acc: &mut [f64],
 ) {
@@ -478,59 +480,59 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
     }
     // An even number of rows, so no pair of rows (see `backward_tiles`) straddles two groups.
     let group = (BACKWARD_GROUP_ELEMENTS / n).clamp(2, BACKWARD_GROUP_ROWS) & !1;
-    {
-        // rstd is float32 here, so the conversions are exact.
-        let r_of = |i: usize| rstd[i].to_f64() as f32;
-        let rows = rstd.len();
-        for g0 in (0..rows).step_by(group) {
-            let g1 = (g0 + group).min(rows);
-            let row = |i: usize| i * n..(i + 1) * n;
-            let mut c = [0f32; BACKWARD_GROUP_ROWS];
-            let mut i = g0;
-            while i < g1 {
-                if i + 1 < g1 {
-                    let (a, b) = dot_pair(
-                        s,
-                        (&x[row(i)], &dy[row(i)], r_of(i)),
-                        (&x[row(i + 1)], &dy[row(i + 1)], r_of(i + 1)),
-                        w,
-                    );
-                    c[i - g0] = mean_of::<f32>(a, n);
-                    c[i + 1 - g0] = mean_of::<f32>(b, n);
-                    i += 2;
-                } else {
-                    let (a, _) =
-                        dot_pair(s, (&x[row(i)], &dy[row(i)], r_of(i)), (&[], &[], 0.0), w);
-                    c[i - g0] = mean_of::<f32>(a, n);
-                    i += 1;
-                }
+    let rows = dx.len() / n;
+    let row = |i: usize| i * n..(i + 1) * n;
+    for g0 in (0..rows).step_by(group) {
+        let g1 = (g0 + group).min(rows);
+        let (mut r, mut c) = ([0f32; BACKWARD_GROUP_ROWS], [0f32; BACKWARD_GROUP_ROWS]);
+        let mut factors = |i: usize, sums: (f64, f64)| {
+            let (ri, ci) = row_factors(rstd, i, sums, n);
+            // A is float32 here, so the conversions are exact.
+            (r[i - g0], c[i - g0]) = (ri.to_f64() as f32, ci.to_f64() as f32);
+        };
+        let mut i = g0;
+        while i < g1 {
+            if i + 1 < g1 {
+                let (a, b) = row_sums_pair(
+                    s,
+                    (&x[row(i)], &dy[row(i)]),
+                    (&x[row(i + 1)], &dy[row(i + 1)]),
+                    w,
+                );
+                factors(i, a);
+                factors(i + 1, b);
+                i += 2;
+            } else {
+                let (a, _) = row_sums_pair(s, (&x[row(i)], &dy[row(i)]), (&[], &[]), w);
+                factors(i, a);
+                i += 1;
             }
-            let span = g0 * n..g1 * n;
-            backward_tiles(
-                s,
-                (&x[span.clone()], &dy[span.clone()]),
-                n,
-                w,
-                (&rstd[g0..g1], &c[..g1 - g0]),
-                &mut dx[span],
-                acc,
-            );
         }
+        let span = g0 * n..g1 * n;
+        backward_tiles(
+            s,
+            (&x[span.clone()], &dy[span.clone()]),
+            n,
+            w,
+            (&r[..g1 - g0], &c[..g1 - g0]),
+            &mut dx[span],
+            acc,
+        );
     }
 }
 
-/// `sum(g * xhat)` with `g = dy * w`, `xhat = x * r` of two rows (`x`, `dy`, `r`) sharing the
-/// weight, each in `math`'s order. An empty second row gives 0 for it.
+/// `(sum(g * x), sum(x^2))` with `g = dy * w` of two rows (`x`, `dy`) sharing the weight, each
+/// in `math::row_sums`'s order. An empty second row gives zeros for it.
 #[inline(always)]
-fn dot_pair<X: Lane, W: Lane>(
+fn row_sums_pair<X: Lane, W: Lane>(
     s: V4,
-    a: (&[X], &[X], f32),
-    b: (&[X], &[X], f32),
+    a: (&[X], &[X]),
+    b: (&[X], &[X]),
     w: &[W],
-) -> (f64, f64) {
+) -> ((f64, f64), (f64, f64)) {
     let f = s.avx512f;
     let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
-    let (ra, rb) = (f._mm512_set1_ps(a.2), f._mm512_set1_ps(b.2));
+    let (mut ta, mut tb) = (VecSum::new(s), VecSum::new(s));
     let (wc, wt) = w.as_chunks::<LANES>();
     let (xa, xat) = a.0.as_chunks::<LANES>();
     let (da, dat) = a.1.as_chunks::<LANES>();
@@ -539,7 +541,8 @@ fn dot_pair<X: Lane, W: Lane>(
     let (db, dbt) = b.1.as_chunks::<LANES>();
     for (k, wk) in wc.chunks(BLOCK_CHUNKS).enumerate() {
         let blocks = k * BLOCK_CHUNKS..k * BLOCK_CHUNKS + wk.len();
-        let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
+        let z = f._mm512_setzero_ps();
+        let (mut qa, mut qb, mut pa, mut pb) = (z, z, z, z);
         if pair {
             for (((ws, xs), ds), (ys, es)) in wk
                 .iter()
@@ -548,38 +551,44 @@ fn dot_pair<X: Lane, W: Lane>(
                 .zip(xb[blocks.clone()].iter().zip(&db[blocks.clone()]))
             {
                 let wv = W::load(s, ws);
-                qa = dot_step(s, qa, xs, ds, wv, ra);
-                qb = dot_step(s, qb, ys, es, wv, rb);
+                (qa, pa) = sums_step(s, (qa, pa), xs, ds, wv);
+                (qb, pb) = sums_step(s, (qb, pb), ys, es, wv);
             }
             sb.add(s, qb);
+            tb.add(s, pb);
         } else {
             for ((ws, xs), ds) in wk.iter().zip(&xa[blocks.clone()]).zip(&da[blocks]) {
-                qa = dot_step(s, qa, xs, ds, W::load(s, ws), ra);
+                (qa, pa) = sums_step(s, (qa, pa), xs, ds, W::load(s, ws));
             }
         }
         sa.add(s, qa);
+        ta.add(s, pa);
     }
-    sa.add(s, pulp::cast(tail_dot::<X, W, f32>(xat, dat, wt, a.2)));
+    sa.add(s, pulp::cast(tail_dot::<X, W, f32>(xat, dat, wt)));
+    ta.add(s, pulp::cast(tail_squares::<X, f32>(xat)));
     if !pair {
-        return (sa.total(), 0.0);
+        return ((sa.total(), ta.total()), (0.0, 0.0));
     }
-    sb.add(s, pulp::cast(tail_dot::<X, W, f32>(xbt, dbt, wt, b.2)));
-    (sa.total(), sb.total())
+    sb.add(s, pulp::cast(tail_dot::<X, W, f32>(xbt, dbt, wt)));
+    tb.add(s, pulp::cast(tail_squares::<X, f32>(xbt)));
+    ((sa.total(), ta.total()), (sb.total(), tb.total()))
 }
 
-/// `acc + (dy * w) * (x * r)`, lane by lane.
+/// `(dot + (dy * w) * x, sq + x * x)`, lane by lane.
 #[inline(always)]
-fn dot_step<X: Lane>(
+fn sums_step<X: Lane>(
     s: V4,
-    acc: __m512,
+    (dot, sq): (__m512, __m512),
     x: &[X; LANES],
     dy: &[X; LANES],
     w: __m512,
-    r: __m512,
-) -> __m512 {
+) -> (__m512, __m512) {
     let f = s.avx512f;
-    let g = f._mm512_mul_ps(X::load(s, dy), w);
-    f._mm512_add_ps(acc, f._mm512_mul_ps(g, f._mm512_mul_ps(X::load(s, x), r)))
+    let (xv, g) = (X::load(s, x), f._mm512_mul_ps(X::load(s, dy), w));
+    (
+        f._mm512_add_ps(dot, f._mm512_mul_ps(g, xv)),
+        f._mm512_add_ps(sq, f._mm512_mul_ps(xv, xv)),
+    )
 }
 
 /// The second pass of a group's rows, [`TILE`] columns of every row at a time:
@@ -587,18 +596,17 @@ fn dot_step<X: Lane>(
 /// (the pair's float32 sum widened once, as `math::backward_rows_paired` adds it; a last odd
 /// row alone).
 #[inline(always)]
-fn backward_tiles<X: Lane, W: Lane, A: Accum>(
+fn backward_tiles<X: Lane, W: Lane>(
     s: V4,
     (x, dy): (&[X], &[X]),
     n: usize,
     w: &[W],
-    (rstd, c): (&[A], &[f32]),
+    (rstd, c): (&[f32], &[f32]),
     dx: &mut [X],
     acc: &mut [f64],
 ) {
     let f = s.avx512f;
-    // rstd is float32 here, so the conversions are exact.
-    let r_of = |i: usize| rstd[i].to_f64() as f32;
+    let r_of = |i: usize| rstd[i];
     let rows = c.len();
     for t0 in (0..n).step_by(TILE) {
         let cols = t0..(t0 + TILE).min(n);

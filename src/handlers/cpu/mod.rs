@@ -20,8 +20,8 @@ use half::{bf16, f16};
 use super::contract::DtypePair;
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 use super::math::{
-    add_into, backward_rows, backward_rows_paired, forward_row, forward_rows, rstd as row_rstd,
-    Accum, Compensated, Element, WideSum,
+    add_into, backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated,
+    Element, Rstd, WideSum,
 };
 use super::operands::{
     backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
@@ -45,19 +45,6 @@ const REDUCE_BLOCK: usize = 1024;
 /// single row is longer than that).
 fn partial_rows(n: usize) -> usize {
     ((16 << 20) / n.max(1)).clamp(1, MAX_BACKWARD_CHUNKS)
-}
-
-/// Bytes of x whose rows' rstd a backward that takes rstd itself computes before it runs the
-/// backward over them: those rows are then still in the core's L2 when the backward's first
-/// pass reads them again, so the extra pass costs a read from cache, not from memory.
-const RSTD_BLOCK_BYTES: usize = 256 << 10;
-/// Most rows in one such block (their rstd are held on the stack).
-const MAX_RSTD_BLOCK_ROWS: usize = 64;
-
-/// Rows per rstd block for rows of `n` elements of `size` bytes: even (so the two-rows loops
-/// pair the same rows as over the whole range, and the bits are the same), at least 2.
-fn rstd_block_rows(n: usize, size: usize) -> usize {
-    (RSTD_BLOCK_BYTES / (n * size).max(1)).clamp(2, MAX_RSTD_BLOCK_ROWS) & !1
 }
 
 /// Per-call-site state of `rmsnorm_fwd`.
@@ -415,22 +402,13 @@ impl Execute for Backward {
     }
 }
 
-/// Where a backward call's per-row rstd come from.
-#[derive(Clone, Copy)]
-enum RowRstd<'a, A> {
-    /// The forward's, an operand.
-    Given(&'a [A]),
-    /// Taken from x with this eps, by the forward's own function (`math::rstd`, whose
-    /// summation every forward loop matches bit for bit), so they are the forward's bits.
-    FromX(A),
-}
-
 /// The read-only operands of a backward call, sliced row range by row range.
 #[derive(Clone, Copy)]
 struct BackwardInputs<'a, T, W, A> {
     x: &'a [T],
     dy: &'a [T],
-    rstd: RowRstd<'a, A>,
+    /// Given (an operand), or taken from x by the first pass (`math::Rstd`).
+    rstd: Rstd<'a, A>,
     w: Option<&'a [W]>,
     n: usize,
     rows_per_group: usize,
@@ -438,48 +416,17 @@ struct BackwardInputs<'a, T, W, A> {
 }
 
 impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
-    /// Rows `first..` (as many as `dx_rows` holds), with their rstd given or taken from x
-    /// block by block (see [`RSTD_BLOCK_BYTES`]).
+    /// Rows `first..` (as many as `dx_rows` holds): two rows per loop when they share one
+    /// weight row and accumulate its gradient (`math::backward_rows_paired`), else row by row.
     #[inline(always)]
     fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A::Wide]>) {
         let n = self.n;
         if n == 0 {
             return;
         }
-        match self.rstd {
-            RowRstd::Given(rstd) => {
-                let rstd = &rstd[first..first + dx_rows.len() / n];
-                self.rows_with(first, rstd, dx_rows, acc);
-            }
-            RowRstd::FromX(eps) => {
-                let block = rstd_block_rows(n, std::mem::size_of::<T>());
-                let mut rstd = [A::ZERO; MAX_RSTD_BLOCK_ROWS];
-                for (b, dx_block) in dx_rows.chunks_mut(block * n).enumerate() {
-                    let start = first + b * block;
-                    let rows = dx_block.len() / n;
-                    for (i, r) in rstd[..rows].iter_mut().enumerate() {
-                        *r = row_rstd::<T, A>(&self.x[(start + i) * n..][..n], eps);
-                    }
-                    self.rows_with(start, &rstd[..rows], dx_block, acc.as_deref_mut());
-                }
-            }
-        }
-    }
-
-    /// Rows `first..` (as many as `dx_rows` holds) with their `rstd`: two rows per loop when
-    /// they share one weight row and accumulate its gradient (`math::backward_rows_paired`),
-    /// else row by row.
-    #[inline(always)]
-    fn rows_with(
-        &self,
-        first: usize,
-        rstd: &[A],
-        dx_rows: &mut [T],
-        mut acc: Option<&mut [A::Wide]>,
-    ) {
-        let n = self.n;
         let count = dx_rows.len() / n;
         let span = first * n..(first + count) * n;
+        let rstd = self.rstd.from_row(first);
         let w_of = |i: usize| {
             self.w
                 .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
@@ -525,8 +472,8 @@ impl BackwardCall<'_, '_, '_> {
         let x = ops.x.as_slice::<T>()?;
         let w = ops.w.map(|w| w.as_slice::<W>()).transpose()?;
         let rstd = match (ops.rstd, self.state.eps) {
-            (Some(rstd), _) => RowRstd::Given(rstd.as_slice::<A>()?),
-            (None, Some(eps)) => RowRstd::FromX(A::from_f32(eps)),
+            (Some(rstd), _) => Rstd::Given(rstd.as_slice::<A>()?),
+            (None, Some(eps)) => Rstd::FromX(A::from_f32(eps)),
             (None, None) => return Err(FfiError::internal("a backward with neither rstd nor eps")),
         };
         let dy = ops.dy.as_slice::<T>()?;

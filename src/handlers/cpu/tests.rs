@@ -54,7 +54,14 @@ fn kernel_results<T: Element, W: Element, A: Accum>(
     let mut acc = vec![A::Wide::default(); n];
     kernel.run(|| {
         let r = math::forward_row::<T, W, A>(&x, Some(&w), A::from_f32(1e-5), &mut y);
-        math::backward_row::<T, W, A>(&x, Some(&w), r, &dy, &mut dx, Some(&mut acc));
+        math::backward_row::<T, W, A>(
+            &x,
+            Some(&w),
+            math::Rstd::Given(&[r]),
+            &dy,
+            &mut dx,
+            Some(&mut acc),
+        );
     });
     (
         bits(&y),
@@ -552,30 +559,44 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
                 assert_eq!(bits(&y1), bits(&y2), "forward {kernel:?} n={n} rows={rows}");
                 assert_eq!(bits(&r1), bits(&r2), "forward {kernel:?} n={n} rows={rows}");
             }
-            // Backward with a weight: two rows per loop against row by row.
-            let (mut dx1, mut dx2) = (vec![T::default(); n * rows], vec![T::default(); n * rows]);
-            let (mut a1, mut a2) = (vec![0f64; n], vec![0f64; n]);
+            // Backward with a weight: two rows per loop against row by row, rstd given (any
+            // values) and taken from x (whose bits are those of the forward's rstd given).
+            let mut forward_rstd = vec![0f32; rows];
+            let mut y = vec![T::default(); n * rows];
             kernel.run(|| {
-                math::backward_rows::<T, W, f32>(
-                    &x,
-                    &dy,
-                    n,
-                    |_| Some(&w[..]),
-                    &rstd,
-                    &mut dx1,
-                    Some(&mut a1),
-                );
-                math::backward_rows_paired::<T, W, f32>(&x, &dy, n, &w, &rstd, &mut dx2, &mut a2);
+                math::forward_rows::<T, W, f32>(&x, n, |_| None, 1e-5, &mut y, &mut forward_rstd)
             });
+            let run = |rstd: math::Rstd<'_, f32>| {
+                let (mut dx1, mut dx2) =
+                    (vec![T::default(); n * rows], vec![T::default(); n * rows]);
+                let (mut a1, mut a2) = (vec![0f64; n], vec![0f64; n]);
+                let mut dx3 = vec![T::default(); n * rows];
+                kernel.run(|| {
+                    let all = |_| Some(&w[..]);
+                    math::backward_rows::<T, W, f32>(
+                        &x,
+                        &dy,
+                        n,
+                        all,
+                        rstd,
+                        &mut dx1,
+                        Some(&mut a1),
+                    );
+                    math::backward_rows_paired::<T, W, f32>(
+                        &x, &dy, n, &w, rstd, &mut dx2, &mut a2,
+                    );
+                    math::backward_rows::<T, W, f32>(&x, &dy, n, |_| None, rstd, &mut dx3, None);
+                });
+                let what = format!("backward {kernel:?} n={n} rows={rows} {rstd:?}");
+                assert_eq!(bits(&dx1), bits(&dx2), "{what}");
+                assert_eq!(bits(&a1), bits(&a2), "{what}");
+                (bits(&dx1), bits(&a1), bits(&dx3))
+            };
+            run(math::Rstd::Given(&rstd));
             assert_eq!(
-                bits(&dx1),
-                bits(&dx2),
-                "backward {kernel:?} n={n} rows={rows}"
-            );
-            assert_eq!(
-                bits(&a1),
-                bits(&a2),
-                "backward {kernel:?} n={n} rows={rows}"
+                run(math::Rstd::FromX(1e-5)),
+                run(math::Rstd::Given(&forward_rstd)),
+                "rstd from x, {kernel:?} n={n} rows={rows}"
             );
         }
     }
@@ -695,13 +716,13 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                 &dy,
                 n,
                 |_| Some(&w[..]),
-                &rstd,
+                math::Rstd::Given(&rstd),
                 &mut want_dx,
                 Some(&mut want_acc),
             )
         });
         let check_kernels =
-            |rstd: RowRstd<'_, f32>, want_dx: &[T], want_acc: &[f64], form: &str| {
+            |rstd: math::Rstd<'_, f32>, want_dx: &[T], want_acc: &[f64], form: &str| {
                 for kernel in Kernel::available() {
                     let inputs = BackwardInputs {
                         x: &x,
@@ -723,7 +744,7 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                     assert_eq!(nan_bits(&acc), nan_bits(want_acc), "dweight {what}");
                 }
             };
-        check_kernels(RowRstd::Given(&rstd), &want_dx, &want_acc, "given");
+        check_kernels(math::Rstd::Given(&rstd), &want_dx, &want_acc, "given");
         // rstd taken from x, block by block: the bits of the forward's rstd given.
         let eps = 1e-5f32;
         let forward_rstd: Vec<f32> = x
@@ -737,18 +758,18 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                 &dy,
                 n,
                 |_| Some(&w[..]),
-                &forward_rstd,
+                math::Rstd::Given(&forward_rstd),
                 &mut want_dx,
                 Some(&mut want_acc),
             )
         });
         check_kernels(
-            RowRstd::Given(&forward_rstd),
+            math::Rstd::Given(&forward_rstd),
             &want_dx,
             &want_acc,
             "forward given",
         );
-        check_kernels(RowRstd::FromX(eps), &want_dx, &want_acc, "from x");
+        check_kernels(math::Rstd::FromX(eps), &want_dx, &want_acc, "from x");
     }
     for (n, rows) in [
         (1, 1),
