@@ -86,3 +86,32 @@ def test_export_round_trip_in_a_fresh_process(tmp_path):
     assert "'rmsnorm_bwd': 5" in ran.stdout, ran.stdout
     plain = _run(RUN, path, "plain")
     assert plain.returncode != 0 and "rmsnorm_fwd" in plain.stderr, plain.stderr[-2000:]
+
+
+def test_gradient_only_programs_export_for_one_platform_or_several():
+    # The VJP's backward is platform-dependent (CPU takes rstd from x; CUDA reads it): exported
+    # for the CPU alone, a gradient-only program holds the backward alone; exported for CPU
+    # and CUDA, it holds both forms behind JAX's platform switch. Both run here, with the bits
+    # of the program jitted here, and so does rms_norm_bwd's form, which reads rstd.
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import rmsnorm_ffi
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, 64)) + 0.5, jnp.float32)
+    w, dy = jnp.linspace(0.5, 1.5, 64), jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    pullback = jax.jit(lambda x, w, dy: jax.vjp(rmsnorm_ffi.rms_norm, x, w)[1](dy))
+    want = pullback(x, w, dy)
+    for platforms, targets in ((("cpu",), ["rmsnorm_bwd"]), (("cpu", "cuda"), ["rmsnorm_bwd", "rmsnorm_fwd"])):
+        exp = rmsnorm_ffi.export(pullback, platforms=platforms)(x, w, dy)
+        assert sorted(set(re.findall(r"@(rmsnorm_\w+)", exp.mlir_module()))) == targets, platforms
+        got = rmsnorm_ffi.deserialize(exp.serialize()).call(x, w, dy)
+        assert all(np.array_equal(np.asarray(g), np.asarray(v)) for g, v in zip(got, want)), platforms
+    _, rstd = rmsnorm_ffi.rms_norm_fwd(x, w)
+    given = rmsnorm_ffi.export(jax.jit(rmsnorm_ffi.rms_norm_bwd))(x, w, rstd, dy)
+    got = rmsnorm_ffi.deserialize(given.serialize()).call(x, w, rstd, dy)
+    assert all(np.array_equal(np.asarray(g), np.asarray(v)) for g, v in zip(got, want))
