@@ -233,13 +233,24 @@ fn check_forward_results<P: Platform>(
     pair: DtypePair,
 ) -> Result<(), HandlerError> {
     expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
-    let lead = &x.dims()[..x.rank() - 1];
+    expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), x, pair)
+}
+
+/// rstd (a result of the forward, an operand of the backward): the pair's accumulator dtype
+/// and x's leading shape.
+fn expect_rstd<P: Platform>(
+    operand: Operand,
+    dtype: DataType,
+    dims: &[i64],
+    x: &AnyBuffer<'_, P>,
+    pair: DtypePair,
+) -> Result<(), HandlerError> {
     expect(
-        rstd.operand(),
-        rstd.dtype(),
-        rstd.dims(),
+        operand,
+        dtype,
+        dims,
         pair.accumulation(),
-        lead,
+        &x.dims()[..x.rank() - 1],
     )
 }
 
@@ -329,15 +340,8 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         None
     };
     let dy = args.get(1 + has_w + has_r)?;
-    let lead = &x.dims()[..x.rank() - 1];
     if let Some(rstd) = &rstd {
-        expect(
-            rstd.operand(),
-            rstd.dtype(),
-            rstd.dims(),
-            pair.accumulation(),
-            lead,
-        )?;
+        expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), &x, pair)?;
     }
     expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
     let dx = result(rets, 0)?;
