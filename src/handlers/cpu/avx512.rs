@@ -8,9 +8,13 @@
 //! 1. the sums of squares (backward: the dot products and the sums of squares) of two rows at
 //!    a time: independent add chains, so the loop is bound by loads, not by the latency of one
 //!    chain;
-//! 2. then the second pass (`y = x * rstd * w`; backward: dx and the weight gradient) in
-//!    column tiles over a group of rows, so a tile of the weight (and of the float64 gradient
-//!    row) stays in L1 while every row uses it, and the group's x (and dy) is re-read from L2.
+//! 2. forward, rows of 2048 and more: one pass per pair of rows that scales it
+//!    (`y = x * rstd * w`) while summing the next pair, so the next rows' loads (from L3 or
+//!    memory when x was written by whatever ran before) overlap this pair's stores; shorter
+//!    rows: all the sums, then each row scaled;
+//! 3. backward: the second pass (dx and the weight gradient) in column tiles over a group of
+//!    rows, so a tile of the weight and of the float64 gradient row stays in L1 while every row
+//!    uses it, and the group's x and dy are re-read from L2.
 //!
 //! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
 //! AVX-512 context it is compiled into. A second `V4::vectorize` nested in that context kept
@@ -34,11 +38,13 @@
 //! What is left in float32 is mostly moving lines into L1: the floor moves x and y, the norm
 //! also the second read of x.
 //!
-//! Tried and not kept: summing row r+1 in the loop that scales row r (the same bits) took
-//! 5-15% off the forward's median in `make bench`'s shuffled rounds, where x is often cold,
-//! but was 15-20% slower in a tight loop (256x4096: best 88 against 105 us; 64x16384: 178
-//! against 212 us, in a busier hour), since the weight row is then re-read from L2 for every
-//! row rather than once per tile.
+//! The forward's pass per pair (step 2) replaced a second pass in column tiles over the
+//! chunk's rows, which kept a tile of the weight in L1 but started a new 4 KiB page of y every
+//! 4 KiB of stores. In `make bench`'s shuffled rounds, where x and y are often cold, it took the
+//! float32 forward at 256x4096 and 64x16384 from 1.10-1.30x its floor to 1.00-1.22x (bfloat16:
+//! 0.80-0.90x to 0.72-0.75x), measured in one process against the tiled build; in a tight loop,
+//! where all of it stays in cache, it was 0-5% slower. Summing one row ahead (one add chain,
+//! tried before) had cost the tight loop 15-20%.
 
 use core::any::TypeId;
 use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_UNORD_Q};
@@ -48,10 +54,10 @@ use pulp::x86::V4;
 
 use crate::handlers::math::{
     row_factors, rstd_of, sum_squares, tail_dot, tail_squares, Accum, Element, RowSum, Rstd, Typed,
-    TypedMut, WideSum, BLOCK_CHUNKS, LANES,
+    TypedMut, WideSum, BLOCK_CHUNKS, LANES, SUM_BLOCK,
 };
 
-/// Columns per tile of the scaling pass: 4 KiB of a float32 weight.
+/// Columns per tile of the backward's second pass: 4 KiB of a float32 weight.
 const TILE: usize = 1024;
 
 const _: () = assert!(LANES == 16 && TILE.is_multiple_of(LANES));
@@ -247,6 +253,16 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
     true
 }
 
+/// Rows at least this long take the pipelined pass of [`rows`]. In shorter rows a pair's
+/// scaling waits on the float64 totals, square roots and divisions of the step before, which
+/// little else overlaps: the pipelined pass was 3-7% slower there at rows of 512 and 1024, and
+/// 8-15% faster from 2048 up (`make bench`'s shuffled rounds, both in one process).
+const PIPELINE_MIN_ROW: usize = SUM_BLOCK;
+
+/// The forward over a chunk's rows. Rows of [`PIPELINE_MIN_ROW`] and more, in pairs: the sums
+/// of squares of the first pair, then one pass per pair that scales it while summing the next
+/// pair ([`scale_pair_summing_pair`]), then the last pair on its own. Shorter rows: every
+/// pair's sums, then every row scaled. An odd last row is summed and scaled on its own.
 #[inline(always)]
 fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
     s: V4,
@@ -261,20 +277,48 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
         rstd.fill(A::NAN);
         return;
     }
-    {
-        let rows = rstd.len();
-        let row = |i: usize| &x[i * n..(i + 1) * n];
-        let mut i = 0;
-        while i + 1 < rows {
-            let (a, b) = sum_squares_pair(s, row(i), row(i + 1));
-            rstd[i] = rstd_of(a, n, eps);
-            rstd[i + 1] = rstd_of(b, n, eps);
-            i += 2;
+    let rows = rstd.len();
+    let row = |i: usize| &x[i * n..(i + 1) * n];
+    let pairs = rows / 2;
+    let pipelined = n >= PIPELINE_MIN_ROW;
+    for p in 0..if pipelined { pairs.min(1) } else { pairs } {
+        let (a, b) = sum_squares_pair(s, row(2 * p), row(2 * p + 1));
+        rstd[2 * p] = rstd_of(a, n, eps);
+        rstd[2 * p + 1] = rstd_of(b, n, eps);
+    }
+    if rows % 2 == 1 {
+        rstd[rows - 1] = rstd_of(sum_squares::<X, f32>(row(rows - 1)), n, eps);
+    }
+    // rstd is float32 here, so the conversions to f32 are exact.
+    if !pipelined {
+        for (i, ((xr, yr), r)) in x
+            .chunks_exact(n)
+            .zip(y.chunks_exact_mut(n))
+            .zip(rstd.iter())
+            .enumerate()
+        {
+            scale_row(s, xr, w_of(i), r.to_f64() as f32, yr);
         }
-        if i < rows {
-            rstd[i] = rstd_of(sum_squares::<X, f32>(row(i)), n, eps);
+        return;
+    }
+    for p in 0..pairs {
+        let i = 2 * p;
+        let (y0, y1) = y[i * n..(i + 2) * n].split_at_mut(n);
+        let r = [rstd[i].to_f64() as f32, rstd[i + 1].to_f64() as f32];
+        let w = [w_of(i), w_of(i + 1)];
+        if p + 1 < pairs {
+            let next = [row(i + 2), row(i + 3)];
+            let (a, b) = scale_pair_summing_pair(s, [row(i), row(i + 1)], w, r, [y0, y1], next);
+            rstd[i + 2] = rstd_of(a, n, eps);
+            rstd[i + 3] = rstd_of(b, n, eps);
+        } else {
+            scale_row(s, row(i), w[0], r[0], y0);
+            scale_row(s, row(i + 1), w[1], r[1], y1);
         }
-        scale_rows(s, &x[..rows * n], n, w_of, rstd, &mut y[..rows * n]);
+    }
+    if rows % 2 == 1 {
+        let i = rows - 1;
+        scale_row(s, row(i), w_of(i), rstd[i].to_f64() as f32, &mut y[i * n..]);
     }
 }
 
@@ -320,6 +364,14 @@ impl VecSum {
     }
 }
 
+/// `q + v * v` for the 16 lanes `v` of `c`: one step of a row's sum of squares.
+#[inline(always)]
+fn add_square<X: Lane>(s: V4, q: __m512, c: &[X; LANES]) -> __m512 {
+    let f = s.avx512f;
+    let v = X::load(s, c);
+    f._mm512_add_ps(q, f._mm512_mul_ps(v, v))
+}
+
 /// `sum(x^2)` of rows `a` and `b` (of one length), each in `math::sum_squares`'s order.
 #[inline(always)]
 fn sum_squares_pair<X: Lane>(s: V4, a: &[X], b: &[X]) -> (f64, f64) {
@@ -330,9 +382,8 @@ fn sum_squares_pair<X: Lane>(s: V4, a: &[X], b: &[X]) -> (f64, f64) {
     for (ka, kb) in ac.chunks(BLOCK_CHUNKS).zip(bc.chunks(BLOCK_CHUNKS)) {
         let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
         for (ca, cb) in ka.iter().zip(kb) {
-            let (va, vb) = (X::load(s, ca), X::load(s, cb));
-            qa = f._mm512_add_ps(qa, f._mm512_mul_ps(va, va));
-            qb = f._mm512_add_ps(qb, f._mm512_mul_ps(vb, vb));
+            qa = add_square(s, qa, ca);
+            qb = add_square(s, qb, cb);
         }
         sa.add(s, qa);
         sb.add(s, qb);
@@ -342,62 +393,171 @@ fn sum_squares_pair<X: Lane>(s: V4, a: &[X], b: &[X]) -> (f64, f64) {
     (sa.total(), sb.total())
 }
 
-/// `y = x * rstd * w` (or `x * rstd`), [`TILE`] columns of every row at a time.
+/// `(x * r) * w` (or `x * r`) for 16 elements, as the portable loops take each product.
 #[inline(always)]
-fn scale_rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
+fn scale16<X: Lane, W: Lane>(
     s: V4,
-    x: &[X],
-    n: usize,
-    w_of: impl Fn(usize) -> Option<&'w [W]>,
-    rstd: &[A],
-    y: &mut [X],
-) {
+    x: &[X; LANES],
+    w: Option<&[W; LANES]>,
+    r: __m512,
+) -> [X; LANES] {
     let f = s.avx512f;
-    for t0 in (0..n).step_by(TILE) {
-        let cols = t0..(t0 + TILE).min(n);
-        for (i, ((xr, yr), r)) in x
-            .chunks_exact(n)
-            .zip(y.chunks_exact_mut(n))
-            .zip(rstd)
-            .enumerate()
-        {
-            // rstd is float32 here, so the conversion is exact.
-            let r = r.to_f64() as f32;
-            let rv = f._mm512_set1_ps(r);
-            let w = w_of(i).map(|w| &w[cols.clone()]);
-            let (x2, xr) = xr[cols.clone()].as_chunks::<{ 2 * LANES }>();
-            let (y2, yr) = yr[cols.clone()].as_chunks_mut::<{ 2 * LANES }>();
-            let (xb, xt) = xr.as_chunks::<LANES>();
-            let (yb, yt) = yr.as_chunks_mut::<LANES>();
-            match w {
-                Some(w) => {
-                    let (w2, wr) = w.as_chunks::<{ 2 * LANES }>();
-                    let (wb, wt) = wr.as_chunks::<LANES>();
-                    for ((ys, xs), ws) in y2.iter_mut().zip(x2).zip(w2) {
-                        *ys = X::scale32(s, xs, Some(ws), rv);
-                    }
-                    for ((ys, xs), ws) in yb.iter_mut().zip(xb).zip(wb) {
-                        let xv = f._mm512_mul_ps(X::load(s, xs), rv);
-                        *ys = X::store(s, f._mm512_mul_ps(xv, W::load(s, ws)));
-                    }
-                    for ((o, &xi), &wi) in yt.iter_mut().zip(xt).zip(wt) {
-                        *o = X::from_f32(xi.to_f32() * r * wi.to_f32());
-                    }
-                }
-                None => {
-                    for (ys, xs) in y2.iter_mut().zip(x2) {
-                        *ys = X::scale32::<W>(s, xs, None, rv);
-                    }
-                    for (ys, xs) in yb.iter_mut().zip(xb) {
-                        *ys = X::store(s, f._mm512_mul_ps(X::load(s, xs), rv));
-                    }
-                    for (o, &xi) in yt.iter_mut().zip(xt) {
-                        *o = X::from_f32(xi.to_f32() * r);
-                    }
-                }
+    let xr = f._mm512_mul_ps(X::load(s, x), r);
+    X::store(
+        s,
+        match w {
+            Some(w) => f._mm512_mul_ps(xr, W::load(s, w)),
+            None => xr,
+        },
+    )
+}
+
+/// `y = x * r * w` (or `x * r`) over one row, or one span of a row and of its weight.
+#[inline(always)]
+fn scale_row<X: Lane, W: Lane>(s: V4, x: &[X], w: Option<&[W]>, r: f32, y: &mut [X]) {
+    let rv = s.avx512f._mm512_set1_ps(r);
+    let (x2, xr) = x.as_chunks::<{ 2 * LANES }>();
+    let (y2, yr) = y.as_chunks_mut::<{ 2 * LANES }>();
+    let (xb, xt) = xr.as_chunks::<LANES>();
+    let (yb, yt) = yr.as_chunks_mut::<LANES>();
+    match w {
+        Some(w) => {
+            let (w2, wr) = w.as_chunks::<{ 2 * LANES }>();
+            let (wb, wt) = wr.as_chunks::<LANES>();
+            for ((ys, xs), ws) in y2.iter_mut().zip(x2).zip(w2) {
+                *ys = X::scale32(s, xs, Some(ws), rv);
+            }
+            for ((ys, xs), ws) in yb.iter_mut().zip(xb).zip(wb) {
+                *ys = scale16(s, xs, Some(ws), rv);
+            }
+            for ((o, &xi), &wi) in yt.iter_mut().zip(xt).zip(wt) {
+                *o = X::from_f32(xi.to_f32() * r * wi.to_f32());
+            }
+        }
+        None => {
+            for (ys, xs) in y2.iter_mut().zip(x2) {
+                *ys = X::scale32::<W>(s, xs, None, rv);
+            }
+            for (ys, xs) in yb.iter_mut().zip(xb) {
+                *ys = scale16::<X, W>(s, xs, None, rv);
+            }
+            for (o, &xi) in yt.iter_mut().zip(xt) {
+                *o = X::from_f32(xi.to_f32() * r);
             }
         }
     }
+}
+
+/// Scales rows `cur` (`y = x * r * w`) into `out` while summing the squares of rows `next`, in
+/// one pass: the next rows' loads, which often come from L3 or memory (the rows were written
+/// by whatever ran before), overlap the current rows' stores, where two passes left each
+/// waiting on its own traffic. The sums are [`sum_squares_pair`]'s, block by block, so they
+/// give its bits. Returns the next rows' sums of squares.
+#[inline(always)]
+fn scale_pair_summing_pair<X: Lane, W: Lane>(
+    s: V4,
+    cur: [&[X]; 2],
+    w: [Option<&[W]>; 2],
+    r: [f32; 2],
+    out: [&mut [X]; 2],
+    next: [&[X]; 2],
+) -> (f64, f64) {
+    let n = cur[0].len();
+    let full = n - n % LANES;
+    let [y0, y1] = out;
+    let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
+    for e0 in (0..full).step_by(SUM_BLOCK) {
+        let cols = e0..(e0 + SUM_BLOCK).min(full);
+        let x = cur.map(|x| &x[cols.clone()]);
+        let y = [&mut y0[cols.clone()], &mut y1[cols.clone()]];
+        let next = next.map(|x| &x[cols.clone()]);
+        let (qa, qb) = match w {
+            [Some(w0), Some(w1)] => {
+                let w = [Some(&w0[cols.clone()]), Some(&w1[cols.clone()])];
+                scale_block_summing(s, x, w, r, y, next)
+            }
+            _ => scale_block_summing::<X, W>(s, x, [None, None], r, y, next),
+        };
+        sa.add(s, qa);
+        sb.add(s, qb);
+    }
+    for k in 0..2 {
+        let y = if k == 0 { &mut *y0 } else { &mut *y1 };
+        scale_row(
+            s,
+            &cur[k][full..],
+            w[k].map(|w| &w[full..]),
+            r[k],
+            &mut y[full..],
+        );
+    }
+    sa.add(s, pulp::cast(tail_squares::<X, f32>(&next[0][full..])));
+    sb.add(s, pulp::cast(tail_squares::<X, f32>(&next[1][full..])));
+    (sa.total(), sb.total())
+}
+
+/// `q + x^2` for 32 elements, as two 16-lane steps of a row's sum of squares.
+#[inline(always)]
+fn add_squares32<X: Lane>(s: V4, q: __m512, c: &[X; 2 * LANES]) -> __m512 {
+    let (c, _) = c.as_chunks::<LANES>();
+    add_square(s, add_square(s, q, &c[0]), &c[1])
+}
+
+/// One block of [`scale_pair_summing_pair`] (at most `SUM_BLOCK` elements, a multiple of
+/// `LANES`): both rows scaled and both next rows' squares added, 32 elements of each at a time.
+/// `w` is both `Some` or both `None`. Returns the block's float32 sums of the next rows.
+#[inline(always)]
+fn scale_block_summing<X: Lane, W: Lane>(
+    s: V4,
+    x: [&[X]; 2],
+    w: [Option<&[W]>; 2],
+    r: [f32; 2],
+    y: [&mut [X]; 2],
+    next: [&[X]; 2],
+) -> (__m512, __m512) {
+    let f = s.avx512f;
+    let rv = [f._mm512_set1_ps(r[0]), f._mm512_set1_ps(r[1])];
+    let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
+    let [y0, y1] = y;
+    let (x0, x0r) = x[0].as_chunks::<{ 2 * LANES }>();
+    let (x1, x1r) = x[1].as_chunks::<{ 2 * LANES }>();
+    let (y0, y0r) = y0.as_chunks_mut::<{ 2 * LANES }>();
+    let (y1, y1r) = y1.as_chunks_mut::<{ 2 * LANES }>();
+    let (na, nar) = next[0].as_chunks::<{ 2 * LANES }>();
+    let (nb, nbr) = next[1].as_chunks::<{ 2 * LANES }>();
+    let rows = y0.iter_mut().zip(y1).zip(x0.iter().zip(x1));
+    let sums = na.iter().zip(nb);
+    match w {
+        [Some(w0), Some(w1)] => {
+            let (w0, _) = w0.as_chunks::<{ 2 * LANES }>();
+            let (w1, _) = w1.as_chunks::<{ 2 * LANES }>();
+            for ((((y0, y1), (x0, x1)), (w0, w1)), (a, b)) in rows.zip(w0.iter().zip(w1)).zip(sums)
+            {
+                *y0 = X::scale32(s, x0, Some(w0), rv[0]);
+                *y1 = X::scale32(s, x1, Some(w1), rv[1]);
+                qa = add_squares32(s, qa, a);
+                qb = add_squares32(s, qb, b);
+            }
+        }
+        _ => {
+            for (((y0, y1), (x0, x1)), (a, b)) in rows.zip(sums) {
+                *y0 = X::scale32::<W>(s, x0, None, rv[0]);
+                *y1 = X::scale32::<W>(s, x1, None, rv[1]);
+                qa = add_squares32(s, qa, a);
+                qb = add_squares32(s, qb, b);
+            }
+        }
+    }
+    // A block of an odd number of 16-lane chunks (the row's last) ends with one of them.
+    if !x0r.is_empty() {
+        let at = x0r.len() - LANES..;
+        let w = w.map(|w| w.map(|w| &w[at.clone()]));
+        scale_row(s, x0r, w[0], r[0], y0r);
+        scale_row(s, x1r, w[1], r[1], y1r);
+        qa = add_square(s, qa, &nar.as_chunks::<LANES>().0[0]);
+        qb = add_square(s, qb, &nbr.as_chunks::<LANES>().0[0]);
+    }
+    (qa, qb)
 }
 
 /// Elements of x (and as many of dy) per group of rows in the backward: a group's x and dy

@@ -619,8 +619,10 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
 
 #[test]
 fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
-    // `forward_chunk` takes the explicit AVX-512 loops where they apply (two rows' sums at once,
-    // then column tiles), and the portable loops elsewhere: every path gives row by row's bits.
+    // `forward_chunk` takes the explicit AVX-512 loops where they apply (two rows' sums at once;
+    // from rows of 2048, each pair scaled while the next pair is summed), and the portable loops
+    // elsewhere: every path gives row by row's bits. The cases from 2048 up cover pairs with two
+    // weights, a last block of an odd number of 16-lane chunks, a tail, and an odd last row.
     fn check<T: Element, W: Element, A: Accum>(n: usize, rows: usize, groups: usize) {
         let mut xs = values(n * rows, 11);
         // Non-finite and overflowing values, in the first tile and the last.
@@ -672,6 +674,10 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         (2500, 3, 3),
         (4097, 2, 1),
         (4096, 17, 1),
+        (2048, 4, 1),
+        (2071, 5, 5),
+        (4112, 6, 2),
+        (6160, 9, 3),
     ] {
         check::<f32, f32, f32>(n, rows, groups);
         check::<bf16, bf16, f32>(n, rows, groups);
