@@ -42,8 +42,8 @@
 //! chunk's rows, which kept a tile of the weight in L1 but started a new 4 KiB page of y every
 //! 4 KiB of stores. In `make bench`'s shuffled rounds, where x and y are often cold, it took the
 //! float32 forward at 256x4096 and 64x16384 from 1.10-1.30x its floor to 1.00-1.22x (bfloat16:
-//! 0.80-0.90x to 0.72-0.75x), measured in one process against the tiled build; in a tight loop,
-//! where all of it stays in cache, it was 0-5% slower. Summing one row ahead (one add chain,
+//! 0.80-0.85x to 0.72-0.75x), measured in one process against the tiled build; in a tight loop,
+//! where all of it stays in cache, it was 0-6% slower. Summing one row ahead (one add chain,
 //! tried before) had cost the tight loop 15-20%.
 
 use core::any::TypeId;
