@@ -550,8 +550,7 @@ fn scale_block_summing<X: Lane, W: Lane>(
     }
     // A block of an odd number of 16-lane chunks (the row's last) ends with one of them.
     if !x0r.is_empty() {
-        let at = x0r.len() - LANES..;
-        let w = w.map(|w| w.map(|w| &w[at.clone()]));
+        let w = w.map(|w| w.map(|w| &w[w.len() - LANES..]));
         scale_row(s, x0r, w[0], r[0], y0r);
         scale_row(s, x1r, w[1], r[1], y1r);
         qa = add_square(s, qa, &nar.as_chunks::<LANES>().0[0]);
