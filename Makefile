@@ -99,12 +99,15 @@ gpu-sanitize:
 # free, a leak. Needs nightly Rust (part of these machines' image; Rust's sanitizers are
 # nightly-only); its instrumented build lives in target/x86_64-unknown-linux-gnu/ and never
 # replaces the normal one. Fewer fuzzed cases than the plain run, which does 3000 per property.
-# Skipped, saying so, without a nightly toolchain.
+# Skipped, saying so, without a nightly toolchain. Threads get 8 MiB stacks (Rust's test threads
+# have 2): in this unoptimized, instrumented build the AVX-512 forward, whose loops are all
+# `#[inline(always)]` into one closure, takes a frame of about 2.3 MB (every inlined temporary
+# its own slot with redzones); release builds share those slots.
 SANITIZE_TESTS := --lib --test fuzz_frames --test fixture_bundles --test registry_hooks
 sanitize:
 	@if ! cargo +nightly --version >/dev/null 2>&1; then \
 		echo "sanitize: no nightly Rust toolchain (rustup toolchain install nightly), skipped"; exit 0; fi; \
-	RUSTFLAGS=-Zsanitizer=address ASAN_OPTIONS=detect_leaks=1 PROPTEST_CASES=1000 \
+	RUST_MIN_STACK=8388608 RUSTFLAGS=-Zsanitizer=address ASAN_OPTIONS=detect_leaks=1 PROPTEST_CASES=1000 \
 		cargo +nightly test --quiet --target x86_64-unknown-linux-gnu --features fake-runtime $(SANITIZE_TESTS)
 
 # Model checking of ffi::parallel's job slots with loom (feature `loom`: its models of the atomics,
