@@ -481,16 +481,9 @@ fn scale_pair_summing_pair<X: Lane, W: Lane>(
         sa.add(s, qa);
         sb.add(s, qb);
     }
-    for k in 0..2 {
-        let y = if k == 0 { &mut *y0 } else { &mut *y1 };
-        scale_row(
-            s,
-            &cur[k][full..],
-            w[k].map(|w| &w[full..]),
-            r[k],
-            &mut y[full..],
-        );
-    }
+    let tail_w = w.map(|w| w.map(|w| &w[full..]));
+    scale_row(s, &cur[0][full..], tail_w[0], r[0], &mut y0[full..]);
+    scale_row(s, &cur[1][full..], tail_w[1], r[1], &mut y1[full..]);
     sa.add(s, pulp::cast(tail_squares::<X, f32>(&next[0][full..])));
     sb.add(s, pulp::cast(tail_squares::<X, f32>(&next[1][full..])));
     (sa.total(), sb.total())
