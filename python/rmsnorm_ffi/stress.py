@@ -19,8 +19,9 @@ concurrent executions, churn and teardown:
    allocations there are the pools still growing after warm-up.
 4. At the end every executable is dropped, caches cleared, and every state created during the
    run must have been destroyed (:func:`rmsnorm_ffi.stats`, which counts registered libraries'
-   states too). RSS growth over the churn is compared with a jnp-only control run of as many
-   cycles.
+   states too). RSS growth over the churn is compared with a jnp-only control run of as
+   many cycles, both sampled settled (at each clear of the caches, with the garbage collected
+   and glibc's free heap returned; see :func:`settled_rss_bytes`).
 
 What the checks cannot see: a state that does not register itself in the live-state registry
 (``LiveState``) is invisible to the leak check; scratch memory that does not come from a
@@ -150,7 +151,7 @@ class Report:
     workspace_allocations_after_warmup: int
     steady_calls: int
     peak_rss_mb: float
-    churn_rss_growth_mb: float
+    churn_rss_growth_mb: float | None
     control_cycles: int
     control_seconds: float
     control_rss_growth_mb: float | None
@@ -227,16 +228,55 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's ``malloc_trim(0)``, or None where the C library has none (musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
+def settled_rss_bytes() -> int:
+    """The resident set size with the garbage collected, JAX's caches cleared, and glibc's free
+    heap pages handed back to the system: the memory still in use, which is what a leak grows.
+
+    Why each: JAX's caches hold every executable compiled since they were last cleared (a
+    sample between clears lands somewhere on that sawtooth); and during the churn the worker
+    threads allocate concurrently, so glibc spreads their allocations over per-thread arenas
+    and keeps what they free. That retention (tens of MB with 8 threads, differing from run to
+    run) showed as churn growth that the single-threaded control never has."""
+    import jax
+
+    gc.collect()
+    jax.clear_caches()  # drops the reference computations' executables too
+    trim = _malloc_trim()
+    if trim is not None:
+        trim()
+    return current_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _growth_mb(samples: list[int]) -> float:
-    """RSS growth over a churn, after a warm-up tenth of it (allocators and caches settle)."""
-    if not samples:
-        return 0.0
-    return round((samples[-1] - samples[len(samples) // 10]) / 2**20, 1)
+def _growth_mb(samples: list[tuple[int, int]]) -> float | None:
+    """RSS growth over a churn, from its settled samples ``(cycle, bytes)`` (taken at every
+    clear of the caches and once after the last cycle): from the first sample after a warm-up
+    tenth of the cycles (allocators and JAX's own tables settle) to the last. None when no
+    sample precedes the last one (a churn shorter than ``clear_every`` cycles)."""
+    if len(samples) < 2:
+        return None
+    first = next(b for c, b in samples if c >= samples[-1][0] // 10)
+    return round((samples[-1][1] - first) / 2**20, 1)
 
 
 def _is_jax_runtime_error(e: BaseException) -> bool:
@@ -409,7 +449,7 @@ class _Harness:
         self.worker_counters = [Counters() for _ in range(opts["threads"])]
         self.churn_counters = Counters()
         self.churn_cycles = 0
-        self.churn_rss: list[int] = []
+        self.churn_rss: list[tuple[int, int]] = []
         self.next_index = opts["executables"]
         self.cases_takes_devices = _accepts(cases, "devices")
 
@@ -553,9 +593,11 @@ class _Harness:
             self.next_index += 1
             return index
 
-    def churn_cycle(self, rng: random.Random, counters: Counters, rss: list[int], control: bool) -> None:
-        import jax
-
+    def churn_cycle(
+        self, rng: random.Random, counters: Counters, rss: list[tuple[int, int]], control: bool, cycle: int,
+    ) -> None:
+        """Cycle number ``cycle`` (from 1): compiles, runs and drops one executable; every
+        ``clear_every`` cycles clears the caches and appends a settled RSS sample to ``rss``."""
         index = self.fresh_index()
         try:
             executable = Executable(self, index, 1, control=control)
@@ -565,21 +607,20 @@ class _Harness:
         for _ in range(rng.randint(1, 3)):
             self.call(executable, counters, 0)
         del executable
-        cycles = len(rss) + 1
-        if cycles % self.o["clear_every"] == 0:
-            gc.collect()
-            jax.clear_caches()  # drops the reference computations' executables too
-        rss.append(current_rss_bytes())
+        if cycle % self.o["clear_every"] == 0:
+            rss.append((cycle, settled_rss_bytes()))
 
     def churn(self, workers_done: threading.Event) -> None:
         """Compiles, runs and drops executables until the workers are done and at least
-        ``churn_cycles`` cycles ran. RSS is sampled after every cycle."""
+        ``churn_cycles`` cycles ran; the last RSS sample is taken after the workers stopped."""
         rng = random.Random(self.o["seed"] + 7)
         while not self.stop.is_set():
             if workers_done.is_set() and self.churn_cycles >= self.o["churn_cycles"]:
                 break
-            self.churn_cycle(rng, self.churn_counters, self.churn_rss, control=False)
             self.churn_cycles += 1
+            self.churn_cycle(rng, self.churn_counters, self.churn_rss, control=False, cycle=self.churn_cycles)
+        if self.churn_cycles:
+            self.churn_rss.append((self.churn_cycles, settled_rss_bytes()))
 
     def total(self) -> Counters:
         total = Counters()
@@ -703,22 +744,22 @@ class _Harness:
         leaked = [s for s in after["states"] if s["id"] not in live_before]
 
         # The control: as many churn cycles of a jnp-only function, for the RSS comparison.
-        control_rss: list[int] = []
+        control_rss: list[tuple[int, int]] = []
+        control_cycles = min(self.churn_cycles, o["control_cycles"]) if o["churn"] and o["control"] else 0
         control_counters = Counters()
         control_start = time.monotonic()
-        if o["churn"] and o["control"] and self.churn_cycles:
+        if control_cycles:
             rng = random.Random(o["seed"] + 11)
-            for _ in range(min(self.churn_cycles, o["control_cycles"])):
-                self.churn_cycle(rng, control_counters, control_rss, control=True)
-            jax.clear_caches()
-            gc.collect()
+            for cycle in range(1, control_cycles + 1):
+                self.churn_cycle(rng, control_counters, control_rss, control=True, cycle=cycle)
+            control_rss.append((control_cycles, settled_rss_bytes()))
         control_seconds = time.monotonic() - control_start
         # The control calls no custom call: whatever it raised is not the bundle's.
         self.churn_counters.jax_errors += control_counters.jax_errors + control_counters.errors
 
         total = self.total()
         churn_growth = _growth_mb(self.churn_rss)
-        control_growth = _growth_mb(control_rss) if control_rss else None
+        control_growth = _growth_mb(control_rss)
         failures = []
         if total.mismatches:
             failures.append(f"{total.mismatches} results did not pass")
@@ -729,7 +770,7 @@ class _Harness:
                 f"{len(leaked)} states created during the run are still registered after every executable was "
                 f"dropped (targets: {', '.join(sorted({s['target'] for s in leaked}))})"
             )
-        if control_growth is not None and churn_growth > control_growth + o["rss_slack_mb"]:
+        if None not in (churn_growth, control_growth) and churn_growth > control_growth + o["rss_slack_mb"]:
             failures.append(
                 f"RSS grew by {churn_growth} MB over {self.churn_cycles} churn cycles, the jnp-only control by "
                 f"{control_growth} MB (allowed: {o['rss_slack_mb']} MB more)"
@@ -775,7 +816,7 @@ class _Harness:
             steady_calls=steady_calls,
             peak_rss_mb=round(peak_rss_bytes() / 2**20, 1),
             churn_rss_growth_mb=churn_growth,
-            control_cycles=len(control_rss),
+            control_cycles=control_cycles,
             control_seconds=round(control_seconds, 3),
             control_rss_growth_mb=control_growth,
             rss_slack_mb=o["rss_slack_mb"],
@@ -906,8 +947,10 @@ def print_summary(summary: dict[str, Any], out=None) -> None:
       f"JAX's own errors (not the bundle's): {summary['jax_errors']}")
     control = (f", the jnp-only control's {summary['control_rss_growth_mb']} MB over {summary['control_cycles']}"
                if summary["control_rss_growth_mb"] is not None else "")
+    growth = (f"{summary['churn_rss_growth_mb']} MB" if summary["churn_rss_growth_mb"] is not None
+              else "not measured (the caches were never cleared before the end)")
     p(f"churn: {summary['churn_cycles']} executables compiled, run and dropped; "
-      f"RSS growth over the churn {summary['churn_rss_growth_mb']} MB{control}")
+      f"RSS growth over the churn {growth}{control}")
     p(
         f"states: created {summary['states_created']}, destroyed {summary['states_destroyed']}, "
         f"live during the run {summary['states_live_during_run']}, leaked {summary['states_leaked']}"

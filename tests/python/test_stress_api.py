@@ -93,6 +93,32 @@ def test_the_workspace_bundle_survives_and_stops_allocating(fixture_library, cap
     assert report.churn_rss_growth_mb <= report.control_rss_growth_mb + report.rss_slack_mb
 
 
+def test_memory_leaked_per_executable_fails_the_rss_comparison(capsys):
+    # Each compile keeps 4 MB that no registry sees (as a bundle leaking a buffer per
+    # instantiate would); only the RSS comparison with the control can report it. The leak
+    # is in `fn`'s trace, so the control is given (the default one traces `fn` for its
+    # output shapes, which would leak as much).
+    kept = []
+
+    def fn(x):
+        kept.append(np.ones(1 << 20, np.float32))  # written, so its pages are resident
+        return x * 2.0
+
+    def cases(index, rng):
+        return (rng.standard_normal((4, 8 + index), np.float32),)
+
+    report = stress.run(
+        fn, cases, reference=lambda x: x * 2.0, threads=2, executables=1, calls=5, churn_cycles=30,
+        clear_every=5, control=lambda x: x * 2.0, progress=False,
+    )
+    out = capsys.readouterr().out
+    assert not report.ok and report.exit_status == 1, out
+    assert report.mismatches == report.errors == report.states_leaked == 0
+    # The 25 cycles from the first clear (cycle 5) to the end, 4 MB each.
+    assert report.churn_rss_growth_mb >= 100 > report.control_rss_growth_mb, out
+    assert "RSS grew by" in out and out.strip().endswith("FAILED"), out
+
+
 def test_the_workspace_bundle_from_the_command_line_on_two_devices(fixture_library):
     # shard_map over two forced host devices: one state serves both, rows split between them.
     status, summary, out = run_cli(
