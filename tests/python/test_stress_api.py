@@ -114,8 +114,10 @@ def test_memory_leaked_per_executable_fails_the_rss_comparison(capsys):
     out = capsys.readouterr().out
     assert not report.ok and report.exit_status == 1, out
     assert report.mismatches == report.errors == report.states_leaked == 0
-    # The 25 cycles from the first clear (cycle 5) to the end, 4 MB each.
-    assert report.churn_rss_growth_mb >= 100 > report.control_rss_growth_mb, out
+    # The 25 cycles from the first clear (cycle 5) to the end kept 100 MB (measured: 102.4-102.6
+    # against the control's 1.2-1.5); the bound leaves room for what the rest of the process
+    # frees meanwhile.
+    assert report.churn_rss_growth_mb >= 90 and report.control_rss_growth_mb < 10, out
     assert "RSS grew by" in out and out.strip().endswith("FAILED"), out
 
 
