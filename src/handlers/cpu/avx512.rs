@@ -5,13 +5,11 @@
 //! same operations in the same order per lane, so their results are bit-identical to the
 //! portable ones (tested on every instruction set), in a different order over memory:
 //!
-//! 1. the sums of squares (backward: the dot products and the sums of squares) of two rows at
-//!    a time: independent add chains, so the loop is bound by loads, not by the latency of one
-//!    chain;
-//! 2. forward, rows of 2048 and more: one pass per pair of rows that scales it
-//!    (`y = x * rstd * w`) while summing the next pair, so the next rows' loads (from L3 or
-//!    memory when x was written by whatever ran before) overlap this pair's stores; shorter
-//!    rows: all the sums, then each row scaled;
+//! 1. forward: rows in groups of up to 8 (as many as fit in 512 KiB): the group's sums of
+//!    squares, one independent add chain per row, so the loop is bound by loads rather than by
+//!    the latency of one chain; then the group's rows scaled (`y = x * rstd * w`) 32 columns
+//!    of every row at a time, the weight loaded once for the group (see `rows`);
+//! 2. backward: the dot products and the sums of squares of two rows at a time;
 //! 3. backward: the second pass (dx and the weight gradient) in column tiles over a group of
 //!    rows, so a tile of the weight and of the float64 gradient row stays in L1 while every row
 //!    uses it, and the group's x and dy are re-read from L2.
@@ -36,15 +34,25 @@
 //! | bf16 64x16384 | 125 us | 95 us | 100 us |
 //!
 //! What is left in float32 is mostly moving lines into L1: the floor moves x and y, the norm
-//! also the second read of x.
+//! also the second read of x (from L2) and the weight.
 //!
-//! The forward's pass per pair (step 2) replaced a second pass in column tiles over the
-//! chunk's rows, which kept a tile of the weight in L1 but started a new 4 KiB page of y every
-//! 4 KiB of stores. In `make bench`'s shuffled rounds, where x and y are often cold, it took the
-//! float32 forward at 256x4096 and 64x16384 from 1.10-1.30x its floor to 1.00-1.22x (bfloat16:
-//! 0.80-0.85x to 0.72-0.75x), measured in one process against the tiled build; in a tight loop,
-//! where all of it stays in cache, it was 0-6% slower. Summing one row ahead (one add chain,
-//! tried before) had cost the tight loop 15-20%.
+//! The forward's groups replaced pairs of rows, each pair scaled while the next pair was summed
+//! (which had replaced a second pass in column tiles, whose stores started a new 4 KiB page of y
+//! every 4 KiB). Timed alone (Rust loops, two threads, interleaved rounds, x and y cold as in
+//! `make bench`, where every variant reads and writes buffers of its own), the pairs took
+//! 1.5-1.6x the time of a plain `x * c` loop at 256x4096 and 64x16384 float32, and a plain loop
+//! that multiplies by a weight row re-read for every row 1.5x: re-loading the weight cost about
+//! as much as the rest of the scaling. Groups that load it once took 1.1-1.2x (eight rows, sums
+//! then scaling), and 0.95-1.1x with each group scaled while the next is summed (four rows).
+//! Through XLA, in `make bench`'s shuffled rounds, with this build and the pairs' in one process
+//! (18 runs of 150 rounds): float32 forward 0.81-1.04x the pairs' time (median 0.89x), bfloat16
+//! 0.91-1.05x (unchanged: conversions bound it more than memory), large shapes 0.91-1.00x. Eight
+//! rows summed then scaled, in the same process, took 0.98-1.21x this build's time.
+//!
+//! In the scaling loop every row's loads come before any row's stores: x and y often sit at the
+//! same offset in their 4 KiB pages, and a load that follows a store whose address has the same
+//! low 12 bits waits on it (at that offset the interleaved loop took 1.36x `x * c`, this one
+//! 1.16x, one thread).
 
 use core::any::TypeId;
 use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_UNORD_Q};
@@ -53,8 +61,8 @@ use half::bf16;
 use pulp::x86::V4;
 
 use crate::handlers::math::{
-    row_factors, rstd_of, sum_squares, tail_dot, tail_squares, Accum, Element, RowSum, Rstd, Typed,
-    TypedMut, WideSum, BLOCK_CHUNKS, LANES, SUM_BLOCK,
+    row_factors, rstd_of, tail_dot, tail_squares, Accum, Element, RowSum, Rstd, Typed, TypedMut,
+    WideSum, BLOCK_CHUNKS, LANES,
 };
 
 /// Columns per tile of the backward's second pass: 4 KiB of a float32 weight.
@@ -71,35 +79,47 @@ trait Lane: Element + Copy {
     /// 32 elements widened to float32: the even-indexed ones, then the odd-indexed ones.
     fn load_even_odd(s: V4, v: &[Self; 2 * LANES]) -> (__m512, __m512);
 
-    /// `y = (x * r) * w` (or `x * r`) for 32 elements: each element's product as the portable
-    /// loops take it, in whichever lanes suit the type.
+    /// 32 elements of x widened to float32, in the lanes this type is scaled in: two halves of
+    /// 16 (float32), or the even-indexed and the odd-indexed ones (bfloat16).
     #[inline(always)]
-    fn scale32<W: Lane>(
-        s: V4,
-        x: &[Self; 2 * LANES],
-        w: Option<&[W; 2 * LANES]>,
-        r: __m512,
-    ) -> [Self; 2 * LANES] {
-        let f = s.avx512f;
+    fn load32(s: V4, x: &[Self; 2 * LANES]) -> [__m512; 2] {
         let (xs, _) = x.as_chunks::<LANES>();
+        [Self::load(s, &xs[0]), Self::load(s, &xs[1])]
+    }
+
+    /// [`Lane::load32`]'s inverse: 32 float32 values, in this type's lanes, rounded to it.
+    #[inline(always)]
+    fn store32(s: V4, v: [__m512; 2]) -> [Self; 2 * LANES] {
         let mut out = [Self::default(); 2 * LANES];
-        for (k, (o, xv)) in out
-            .as_chunks_mut::<LANES>()
-            .0
-            .iter_mut()
-            .zip(xs)
-            .enumerate()
-        {
-            let xr = f._mm512_mul_ps(Self::load(s, xv), r);
-            *o = Self::store(
-                s,
-                match w {
-                    Some(w) => f._mm512_mul_ps(xr, W::load(s, &w.as_chunks::<LANES>().0[k])),
-                    None => xr,
-                },
-            );
+        for (o, v) in out.as_chunks_mut::<LANES>().0.iter_mut().zip(v) {
+            *o = Self::store(s, v);
         }
         out
+    }
+
+    /// 32 weights widened to float32, in the lanes [`Lane::load32`] puts this type's x in
+    /// (loaded once for every row of a group that shares them).
+    #[inline(always)]
+    fn weight32<W: Lane>(s: V4, w: &[W; 2 * LANES]) -> [__m512; 2] {
+        let (ws, _) = w.as_chunks::<LANES>();
+        [W::load(s, &ws[0]), W::load(s, &ws[1])]
+    }
+
+    /// `y = (x * r) * w` (or `x * r`) for 32 elements of x as [`Lane::load32`] gave them, `w`
+    /// from [`Lane::weight32`]: each element's product as the portable loops take it.
+    #[inline(always)]
+    fn scale32(s: V4, x: [__m512; 2], w: Option<[__m512; 2]>, r: __m512) -> [Self; 2 * LANES] {
+        // No closures here (`array::map`): one that LLVM does not inline runs its intrinsics as
+        // calls, outside the AVX-512 context.
+        let f = s.avx512f;
+        let xr = [f._mm512_mul_ps(x[0], r), f._mm512_mul_ps(x[1], r)];
+        Self::store32(
+            s,
+            match w {
+                Some([w0, w1]) => [f._mm512_mul_ps(xr[0], w0), f._mm512_mul_ps(xr[1], w1)],
+                None => xr,
+            },
+        )
     }
 }
 
@@ -179,20 +199,18 @@ impl Lane for bf16 {
     /// In even and odd lanes, so the loads and the narrowing are one 32-bit lane per two
     /// elements and no lane crosses.
     #[inline(always)]
-    fn scale32<W: Lane>(
-        s: V4,
-        x: &[bf16; 2 * LANES],
-        w: Option<&[W; 2 * LANES]>,
-        r: __m512,
-    ) -> [bf16; 2 * LANES] {
+    fn load32(s: V4, x: &[bf16; 2 * LANES]) -> [__m512; 2] {
+        let (even, odd) = Self::load_even_odd(s, x);
+        [even, odd]
+    }
+    #[inline(always)]
+    fn weight32<W: Lane>(s: V4, w: &[W; 2 * LANES]) -> [__m512; 2] {
+        let (even, odd) = W::load_even_odd(s, w);
+        [even, odd]
+    }
+    #[inline(always)]
+    fn store32(s: V4, [ye, yo]: [__m512; 2]) -> [bf16; 2 * LANES] {
         let f = s.avx512f;
-        let (xe, xo) = Self::load_even_odd(s, x);
-        let (mut ye, mut yo) = (f._mm512_mul_ps(xe, r), f._mm512_mul_ps(xo, r));
-        if let Some(w) = w {
-            let (we, wo) = W::load_even_odd(s, w);
-            ye = f._mm512_mul_ps(ye, we);
-            yo = f._mm512_mul_ps(yo, wo);
-        }
         let (he, ho) = (round_bf16_high(s, ye), round_bf16_high(s, yo));
         // (odd & 0xffff0000) | (even >> 16), in one instruction.
         let both = f._mm512_ternarylogic_epi32::<0xEC>(
@@ -253,16 +271,36 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
     true
 }
 
-/// Rows at least this long take the pipelined pass of [`rows`]. In shorter rows a pair's
-/// scaling waits on the float64 totals, square roots and divisions of the step before, which
-/// little else overlaps: the pipelined pass was 3-7% slower there at rows of 512 and 1024, and
-/// 8-15% faster from 2048 up (`make bench`'s shuffled rounds, both in one process).
-const PIPELINE_MIN_ROW: usize = SUM_BLOCK;
+/// Bytes of x that the forward's rows in flight may span: a group being scaled and the next
+/// group being summed. The group's rows are read twice (their sums, then their scaling), and the
+/// second read should come from L2 (1-2 MiB a core on the machines measured), beside the lines
+/// of y that the scaling fills.
+const GROUP_BYTES: usize = 512 * 1024;
+/// Most rows per group. Four rows' sums of squares are four independent add chains, and the
+/// pass that scales four rows while summing the next four keeps every value in registers; a
+/// pass over eight and eight spilled them.
+const MAX_GROUP: usize = 4;
 
-/// The forward over a chunk's rows. Rows of [`PIPELINE_MIN_ROW`] and more, in pairs: the sums
-/// of squares of the first pair, then one pass per pair that scales it while summing the next
-/// pair ([`scale_pair_summing_pair`]), then the last pair on its own. Shorter rows: every
-/// pair's sums, then every row scaled. An odd last row is summed and scaled on its own.
+/// Rows per group for rows of `n` elements of `size` bytes: [`MAX_GROUP`] if two groups fit in
+/// [`GROUP_BYTES`], else 2.
+fn group_rows(n: usize, size: usize) -> usize {
+    if 2 * MAX_GROUP * n.saturating_mul(size) <= GROUP_BYTES {
+        MAX_GROUP
+    } else {
+        2
+    }
+}
+
+/// The forward over a chunk's rows, in groups of [`group_rows`] consecutive rows: the first
+/// group's sums of squares, then one pass per group that scales it (`y = x * rstd * w`, 32
+/// columns of every row at a time, the weight loaded once for the group) while summing the
+/// next group's squares ([`scale_rows_summing`]), then the last group scaled alone. The
+/// chunk's last rows (fewer than a group) go in groups of 2 and 1, summed and then scaled.
+///
+/// Why: with y's lines cold (as in `make bench`, where every variant writes a buffer of its
+/// own), re-loading the weight for every row cost about as much as the rest of the scaling; and
+/// summing the next rows while storing this group's keeps the loads from memory overlapping the
+/// stores, as in `x * c`. See the module's notes for what was measured.
 #[inline(always)]
 fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
     s: V4,
@@ -278,47 +316,138 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
         return;
     }
     let rows = rstd.len();
-    let row = |i: usize| &x[i * n..(i + 1) * n];
-    let pairs = rows / 2;
-    let pipelined = n >= PIPELINE_MIN_ROW;
-    for p in 0..if pipelined { pairs.min(1) } else { pairs } {
-        let (a, b) = sum_squares_pair(s, row(2 * p), row(2 * p + 1));
-        rstd[2 * p] = rstd_of(a, n, eps);
-        rstd[2 * p + 1] = rstd_of(b, n, eps);
-    }
-    if rows % 2 == 1 {
-        rstd[rows - 1] = rstd_of(sum_squares::<X, f32>(row(rows - 1)), n, eps);
-    }
-    // rstd is float32 here, so the conversions to f32 are exact.
-    if !pipelined {
-        for (i, ((xr, yr), r)) in x
-            .chunks_exact(n)
-            .zip(y.chunks_exact_mut(n))
-            .zip(rstd.iter())
-            .enumerate()
-        {
-            scale_row(s, xr, w_of(i), r.to_f64() as f32, yr);
+    let g = group_rows(n, std::mem::size_of::<X>());
+    let chained = rows - rows % g;
+    let (y_chain, mut y_rest) = y[..rows * n].split_at_mut(chained * n);
+    let (r_chain, mut r_rest) = rstd.split_at_mut(chained);
+    match g {
+        MAX_GROUP => {
+            chain::<MAX_GROUP, X, W, A>(s, &x[..chained * n], n, &w_of, eps, y_chain, r_chain)
         }
+        _ => chain::<2, X, W, A>(s, &x[..chained * n], n, &w_of, eps, y_chain, r_chain),
+    }
+    let mut first = chained;
+    while first < rows {
+        let g = if rows - first >= 2 { 2 } else { 1 };
+        let (yg, y_next) = std::mem::take(&mut y_rest).split_at_mut(g * n);
+        let (rg, r_next) = std::mem::take(&mut r_rest).split_at_mut(g);
+        let (xg, w_at) = (&x[first * n..(first + g) * n], |k: usize| w_of(first + k));
+        match g {
+            2 => {
+                let sums = sum_squares_rows::<2, X>(s, xg, n);
+                scale_group::<2, X, W, A>(s, xg, n, w_at, eps, sums, yg, rg);
+            }
+            _ => {
+                let sums = sum_squares_rows::<1, X>(s, xg, n);
+                scale_group::<1, X, W, A>(s, xg, n, w_at, eps, sums, yg, rg);
+            }
+        }
+        (y_rest, r_rest) = (y_next, r_next);
+        first += g;
+    }
+}
+
+/// The rows of `x` (a whole number of groups of `G`) as [`rows`] takes them: each group scaled
+/// while the next is summed.
+#[inline(always)]
+fn chain<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: &impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [X],
+    rstd: &mut [A],
+) {
+    let group = G * n;
+    let groups = rstd.len() / G;
+    if groups == 0 {
         return;
     }
-    for p in 0..pairs {
-        let i = 2 * p;
-        let (y0, y1) = y[i * n..(i + 2) * n].split_at_mut(n);
-        let r = [rstd[i].to_f64() as f32, rstd[i + 1].to_f64() as f32];
-        let w = [w_of(i), w_of(i + 1)];
-        if p + 1 < pairs {
-            let next = [row(i + 2), row(i + 3)];
-            let (a, b) = scale_pair_summing_pair(s, [row(i), row(i + 1)], w, r, [y0, y1], next);
-            rstd[i + 2] = rstd_of(a, n, eps);
-            rstd[i + 3] = rstd_of(b, n, eps);
-        } else {
-            scale_row(s, row(i), w[0], r[0], y0);
-            scale_row(s, row(i + 1), w[1], r[1], y1);
-        }
+    let mut sums = sum_squares_rows::<G, X>(s, &x[..group], n);
+    for ((i, yg), rg) in y
+        .chunks_exact_mut(group)
+        .enumerate()
+        .zip(rstd.chunks_exact_mut(G))
+    {
+        let (xg, w_at) = (&x[i * group..][..group], |k: usize| w_of(i * G + k));
+        let next = (i + 1 < groups).then(|| &x[(i + 1) * group..][..group]);
+        let (r, w) = group_factors::<G, X, W, A>(w_at, eps, sums, n, rg);
+        sums = match (w, next) {
+            (Some(w), Some(next)) => scale_rows_summing::<G, X, W>(s, xg, n, w, r, yg, next),
+            (w, next) => {
+                scale_rows_each::<G, X, W>(s, xg, n, w, w_at, r, yg);
+                match next {
+                    Some(next) => sum_squares_rows::<G, X>(s, next, n),
+                    None => sums,
+                }
+            }
+        };
     }
-    if rows % 2 == 1 {
-        let i = rows - 1;
-        scale_row(s, row(i), w_of(i), rstd[i].to_f64() as f32, &mut y[i * n..]);
+}
+
+/// A group's rstd (written to `rstd`) and scale factors from its sums of squares, and the
+/// weight row its rows share: `Some(None)` if none has a weight, `None` if they differ (a
+/// batched weight whose rows change inside the group).
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+fn group_factors<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    sums: [f64; G],
+    n: usize,
+    rstd: &mut [A],
+) -> ([f32; G], Option<Option<&'w [W]>>) {
+    for (r, sum) in rstd.iter_mut().zip(sums) {
+        *r = rstd_of(sum, n, eps);
+    }
+    // rstd is float32 here, so the conversions to f32 are exact.
+    let r: [f32; G] = std::array::from_fn(|k| rstd[k].to_f64() as f32);
+    let first = w_of(0);
+    let shared = (1..G).all(|k| match (w_of(k), first) {
+        (Some(a), Some(b)) => std::ptr::eq(a, b),
+        (None, None) => true,
+        _ => false,
+    });
+    (r, shared.then_some(first))
+}
+
+/// A group's rstd from its sums, then its rows scaled.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scale_group<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+    sums: [f64; G],
+    y: &mut [X],
+    rstd: &mut [A],
+) {
+    let (r, w) = group_factors::<G, X, W, A>(w_of, eps, sums, n, rstd);
+    scale_rows_each::<G, X, W>(s, x, n, w, w_of, r, y);
+}
+
+/// A group's rows scaled: together ([`scale_rows`]) when they share a weight row (`Some`),
+/// else row by row, each with its own.
+#[inline(always)]
+fn scale_rows_each<'w, const G: usize, X: Lane, W: Lane + 'w>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    shared: Option<Option<&'w [W]>>,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    r: [f32; G],
+    y: &mut [X],
+) {
+    match shared {
+        Some(w) => scale_rows::<G, X, W>(s, x, n, w, r, y),
+        None => {
+            for (k, (xr, yr)) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)).enumerate() {
+                scale_row(s, xr, w_of(k), r[k], yr);
+            }
+        }
     }
 }
 
@@ -372,25 +501,85 @@ fn add_square<X: Lane>(s: V4, q: __m512, c: &[X; LANES]) -> __m512 {
     f._mm512_add_ps(q, f._mm512_mul_ps(v, v))
 }
 
-/// `sum(x^2)` of rows `a` and `b` (of one length), each in `math::sum_squares`'s order.
-#[inline(always)]
-fn sum_squares_pair<X: Lane>(s: V4, a: &[X], b: &[X]) -> (f64, f64) {
-    let f = s.avx512f;
-    let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
-    let (ac, at) = a.as_chunks::<LANES>();
-    let (bc, bt) = b.as_chunks::<LANES>();
-    for (ka, kb) in ac.chunks(BLOCK_CHUNKS).zip(bc.chunks(BLOCK_CHUNKS)) {
-        let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
-        for (ca, cb) in ka.iter().zip(kb) {
-            qa = add_square(s, qa, ca);
-            qb = add_square(s, qb, cb);
+/// The sums of squares of `G` rows, fed 16 columns of every row at a time, in
+/// `math::sum_squares`'s order per row: 16 float32 lanes over each block of `SUM_BLOCK`
+/// elements, added into its float64 lanes ([`VecSum`]), then the tail. The rows' add chains are
+/// independent, so a loop over them is bound by loads rather than by the latency of one chain.
+struct GroupSums<const G: usize> {
+    q: [__m512; G],
+    sums: [VecSum; G],
+    chunks: usize,
+}
+
+impl<const G: usize> GroupSums<G> {
+    #[inline(always)]
+    fn new(s: V4) -> Self {
+        GroupSums {
+            q: [s.avx512f._mm512_setzero_ps(); G],
+            sums: [VecSum::new(s); G],
+            chunks: 0,
         }
-        sa.add(s, qa);
-        sb.add(s, qb);
     }
-    sa.add(s, pulp::cast(tail_squares::<X, f32>(at)));
-    sb.add(s, pulp::cast(tail_squares::<X, f32>(bt)));
-    (sa.total(), sb.total())
+
+    /// Adds the 16-lane chunk `c` of every row (`rows[k]`: row k's chunks); chunks come in
+    /// order from 0.
+    #[inline(always)]
+    fn step<X: Lane>(&mut self, s: V4, rows: &[&[[X; LANES]]; G], c: usize) {
+        for (q, row) in self.q.iter_mut().zip(rows) {
+            *q = add_square(s, *q, &row[c]);
+        }
+        self.chunks += 1;
+        if self.chunks.is_multiple_of(BLOCK_CHUNKS) {
+            self.flush(s);
+        }
+    }
+
+    /// The block's float32 sums into the float64 lanes.
+    #[inline(always)]
+    fn flush(&mut self, s: V4) {
+        for (sum, q) in self.sums.iter_mut().zip(&mut self.q) {
+            sum.add(s, *q);
+            *q = s.avx512f._mm512_setzero_ps();
+        }
+    }
+
+    /// The totals, once every whole chunk was added: the last (partial) block, then each row's
+    /// tail (its last `n % 16` elements).
+    #[inline(always)]
+    fn finish<X: Lane>(mut self, s: V4, tails: [&[X]; G]) -> [f64; G] {
+        if !self.chunks.is_multiple_of(BLOCK_CHUNKS) {
+            self.flush(s);
+        }
+        let mut totals = [0.0; G];
+        for ((total, sum), tail) in totals.iter_mut().zip(&mut self.sums).zip(tails) {
+            sum.add(s, pulp::cast(tail_squares::<X, f32>(tail)));
+            *total = sum.total();
+        }
+        totals
+    }
+}
+
+/// The 16-lane chunks and the tails of the `G` consecutive rows of `n` in `x`.
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+fn row_chunks<const G: usize, X: Lane>(x: &[X], n: usize) -> ([&[[X; LANES]]; G], [&[X]; G]) {
+    let full = n - n % LANES;
+    let rows: [&[X]; G] = std::array::from_fn(|k| &x[k * n..(k + 1) * n]);
+    (
+        rows.map(|r| r[..full].as_chunks::<LANES>().0),
+        rows.map(|r| &r[full..]),
+    )
+}
+
+/// `sum(x^2)` of each of the `G` consecutive rows of `n` in `x` ([`GroupSums`]).
+#[inline(always)]
+fn sum_squares_rows<const G: usize, X: Lane>(s: V4, x: &[X], n: usize) -> [f64; G] {
+    let (chunks, tails) = row_chunks::<G, X>(x, n);
+    let mut sums = GroupSums::<G>::new(s);
+    for c in 0..n / LANES {
+        sums.step(s, &chunks, c);
+    }
+    sums.finish(s, tails)
 }
 
 /// `(x * r) * w` (or `x * r`) for 16 elements, as the portable loops take each product.
@@ -425,7 +614,7 @@ fn scale_row<X: Lane, W: Lane>(s: V4, x: &[X], w: Option<&[W]>, r: f32, y: &mut 
             let (w2, wr) = w.as_chunks::<{ 2 * LANES }>();
             let (wb, wt) = wr.as_chunks::<LANES>();
             for ((ys, xs), ws) in y2.iter_mut().zip(x2).zip(w2) {
-                *ys = X::scale32(s, xs, Some(ws), rv);
+                *ys = X::scale32(s, X::load32(s, xs), Some(X::weight32(s, ws)), rv);
             }
             for ((ys, xs), ws) in yb.iter_mut().zip(xb).zip(wb) {
                 *ys = scale16(s, xs, Some(ws), rv);
@@ -436,7 +625,7 @@ fn scale_row<X: Lane, W: Lane>(s: V4, x: &[X], w: Option<&[W]>, r: f32, y: &mut 
         }
         None => {
             for (ys, xs) in y2.iter_mut().zip(x2) {
-                *ys = X::scale32::<W>(s, xs, None, rv);
+                *ys = X::scale32(s, X::load32(s, xs), None, rv);
             }
             for (ys, xs) in yb.iter_mut().zip(xb) {
                 *ys = scale16::<X, W>(s, xs, None, rv);
@@ -448,108 +637,104 @@ fn scale_row<X: Lane, W: Lane>(s: V4, x: &[X], w: Option<&[W]>, r: f32, y: &mut 
     }
 }
 
-/// Scales rows `cur` (`y = x * r * w`) into `out` while summing the squares of rows `next`, in
-/// one pass: the next rows' loads, which often come from L3 or memory (the rows were written
-/// by whatever ran before), overlap the current rows' stores, where two passes left each
-/// waiting on its own traffic. The sums are [`sum_squares_pair`]'s, block by block, so they
-/// give its bits. Returns the next rows' sums of squares.
+/// [`scale_rows_summing`] with no next rows.
 #[inline(always)]
-fn scale_pair_summing_pair<X: Lane, W: Lane>(
+fn scale_rows<const G: usize, X: Lane, W: Lane>(
     s: V4,
-    cur: [&[X]; 2],
-    w: [Option<&[W]>; 2],
-    r: [f32; 2],
-    out: [&mut [X]; 2],
-    next: [&[X]; 2],
-) -> (f64, f64) {
-    let n = cur[0].len();
-    let full = n - n % LANES;
-    let [y0, y1] = out;
-    let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
-    for e0 in (0..full).step_by(SUM_BLOCK) {
-        let cols = e0..(e0 + SUM_BLOCK).min(full);
-        let x = cur.map(|x| &x[cols.clone()]);
-        let y = [&mut y0[cols.clone()], &mut y1[cols.clone()]];
-        let next = next.map(|x| &x[cols.clone()]);
-        let (qa, qb) = match w {
-            [Some(w0), Some(w1)] => {
-                let w = [Some(&w0[cols.clone()]), Some(&w1[cols.clone()])];
-                scale_block_summing(s, x, w, r, y, next)
-            }
-            _ => scale_block_summing::<X, W>(s, x, [None, None], r, y, next),
-        };
-        sa.add(s, qa);
-        sb.add(s, qb);
+    x: &[X],
+    n: usize,
+    w: Option<&[W]>,
+    r: [f32; G],
+    y: &mut [X],
+) {
+    scale_rows_then::<G, X, W>(s, x, n, w, r, y, |_| {});
+}
+
+/// `y = x * r[k] * w` (or `x * r[k]`) over the `G` consecutive rows of `n` in `x`, which share
+/// the weight row `w`, while summing the squares of the `G` rows of `next` (as many as x's):
+/// 32 columns of every row at a time, the weight loaded once for them all; each row's last
+/// columns (under 32) as [`scale_row`] takes them. Returns the next rows' sums of squares.
+#[inline(always)]
+fn scale_rows_summing<const G: usize, X: Lane, W: Lane>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w: Option<&[W]>,
+    r: [f32; G],
+    y: &mut [X],
+    next: &[X],
+) -> [f64; G] {
+    let (chunks, tails) = row_chunks::<G, X>(next, n);
+    let mut sums = GroupSums::<G>::new(s);
+    // Inlined, so the AVX-512 context reaches it (see `Lane::scale32` on closures).
+    scale_rows_then::<G, X, W>(
+        s,
+        x,
+        n,
+        w,
+        r,
+        y,
+        #[inline(always)]
+        |j| {
+            sums.step(s, &chunks, 2 * j);
+            sums.step(s, &chunks, 2 * j + 1);
+        },
+    );
+    // The chunk past the last 32 columns, if the rows have one.
+    for c in 2 * (n / (2 * LANES))..n / LANES {
+        sums.step(s, &chunks, c);
     }
-    let tail_w = w.map(|w| w.map(|w| &w[full..]));
-    scale_row(s, &cur[0][full..], tail_w[0], r[0], &mut y0[full..]);
-    scale_row(s, &cur[1][full..], tail_w[1], r[1], &mut y1[full..]);
-    sa.add(s, pulp::cast(tail_squares::<X, f32>(&next[0][full..])));
-    sb.add(s, pulp::cast(tail_squares::<X, f32>(&next[1][full..])));
-    (sa.total(), sb.total())
+    sums.finish(s, tails)
 }
 
-/// `q + x^2` for 32 elements, as two 16-lane steps of a row's sum of squares.
+/// The loop of [`scale_rows_summing`]: at each 32 columns `j`, every row's loads, then
+/// `between(j)`, then every row's stores.
 #[inline(always)]
-fn add_squares32<X: Lane>(s: V4, q: __m512, c: &[X; 2 * LANES]) -> __m512 {
-    let (c, _) = c.as_chunks::<LANES>();
-    add_square(s, add_square(s, q, &c[0]), &c[1])
-}
-
-/// One block of [`scale_pair_summing_pair`] (at most `SUM_BLOCK` elements, a multiple of
-/// `LANES`): both rows scaled and both next rows' squares added, 32 elements of each at a time.
-/// `w` is both `Some` or both `None`. Returns the block's float32 sums of the next rows.
-#[inline(always)]
-fn scale_block_summing<X: Lane, W: Lane>(
+fn scale_rows_then<const G: usize, X: Lane, W: Lane>(
     s: V4,
-    x: [&[X]; 2],
-    w: [Option<&[W]>; 2],
-    r: [f32; 2],
-    y: [&mut [X]; 2],
-    next: [&[X]; 2],
-) -> (__m512, __m512) {
+    x: &[X],
+    n: usize,
+    w: Option<&[W]>,
+    r: [f32; G],
+    y: &mut [X],
+    mut between: impl FnMut(usize),
+) {
     let f = s.avx512f;
-    let rv = [f._mm512_set1_ps(r[0]), f._mm512_set1_ps(r[1])];
-    let (mut qa, mut qb) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
-    let [y0, y1] = y;
-    let (x0, x0r) = x[0].as_chunks::<{ 2 * LANES }>();
-    let (x1, x1r) = x[1].as_chunks::<{ 2 * LANES }>();
-    let (y0, y0r) = y0.as_chunks_mut::<{ 2 * LANES }>();
-    let (y1, y1r) = y1.as_chunks_mut::<{ 2 * LANES }>();
-    let (na, nar) = next[0].as_chunks::<{ 2 * LANES }>();
-    let (nb, nbr) = next[1].as_chunks::<{ 2 * LANES }>();
-    let rows = y0.iter_mut().zip(y1).zip(x0.iter().zip(x1));
-    let sums = na.iter().zip(nb);
-    match w {
-        [Some(w0), Some(w1)] => {
-            let (w0, _) = w0.as_chunks::<{ 2 * LANES }>();
-            let (w1, _) = w1.as_chunks::<{ 2 * LANES }>();
-            for ((((y0, y1), (x0, x1)), (w0, w1)), (a, b)) in rows.zip(w0.iter().zip(w1)).zip(sums)
-            {
-                *y0 = X::scale32(s, x0, Some(w0), rv[0]);
-                *y1 = X::scale32(s, x1, Some(w1), rv[1]);
-                qa = add_squares32(s, qa, a);
-                qb = add_squares32(s, qb, b);
-            }
+    let full = n - n % (2 * LANES);
+    let mut rv = [f._mm512_setzero_ps(); G];
+    for (v, r) in rv.iter_mut().zip(r) {
+        *v = f._mm512_set1_ps(r);
+    }
+    let xs: [&[[X; 2 * LANES]]; G] =
+        std::array::from_fn(|k| x[k * n..k * n + full].as_chunks::<{ 2 * LANES }>().0);
+    let mut y_rows = y.chunks_exact_mut(n);
+    let ys: [&mut [[X; 2 * LANES]]; G] = std::array::from_fn(|_| {
+        let row = y_rows.next().expect("G rows of y");
+        row[..full].as_chunks_mut::<{ 2 * LANES }>().0
+    });
+    let ws: Option<&[[W; 2 * LANES]]> = w.map(|w| w[..full].as_chunks::<{ 2 * LANES }>().0);
+    for j in 0..full / (2 * LANES) {
+        // A match, not `Option::map`: see `Lane::scale32` on closures.
+        #[allow(clippy::manual_map)]
+        let wv = match ws {
+            Some(ws) => Some(X::weight32::<W>(s, &ws[j])),
+            None => None,
+        };
+        // Every load before any store: the rows are a multiple of 64 bytes apart, and a load
+        // that follows a store to an address with the same low 12 bits (x and y at the same
+        // offset in their pages, which XLA's allocator often gives) waits on it.
+        let mut xv = [[f._mm512_setzero_ps(); 2]; G];
+        for k in 0..G {
+            xv[k] = X::load32(s, &xs[k][j]);
         }
-        _ => {
-            for (((y0, y1), (x0, x1)), (a, b)) in rows.zip(sums) {
-                *y0 = X::scale32::<W>(s, x0, None, rv[0]);
-                *y1 = X::scale32::<W>(s, x1, None, rv[1]);
-                qa = add_squares32(s, qa, a);
-                qb = add_squares32(s, qb, b);
-            }
+        between(j);
+        for k in 0..G {
+            ys[k][j] = X::scale32(s, xv[k], wv, rv[k]);
         }
     }
-    // A block of an odd number of 16-lane chunks (the row's last) ends with one of them.
-    if !x0r.is_empty() {
-        let w = w.map(|w| w.map(|w| &w[w.len() - LANES..]));
-        scale_row(s, x0r, w[0], r[0], y0r);
-        scale_row(s, x1r, w[1], r[1], y1r);
-        qa = add_square(s, qa, &nar.as_chunks::<LANES>().0[0]);
-        qb = add_square(s, qb, &nbr.as_chunks::<LANES>().0[0]);
+    for (k, (xr, yr)) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)).enumerate() {
+        scale_row(s, &xr[full..], w.map(|w| &w[full..]), r[k], &mut yr[full..]);
     }
-    (qa, qb)
 }
 
 /// Elements of x (and as many of dy) per group of rows in the backward: a group's x and dy

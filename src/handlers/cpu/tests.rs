@@ -619,10 +619,12 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
 
 #[test]
 fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
-    // `forward_chunk` takes the explicit AVX-512 loops where they apply (two rows' sums at once;
-    // from rows of 2048, each pair scaled while the next pair is summed), and the portable loops
-    // elsewhere: every path gives row by row's bits. The cases from 2048 up cover pairs with two
-    // weights, a last block of an odd number of 16-lane chunks, a tail, and an odd last row.
+    // `forward_chunk` takes the explicit AVX-512 loops where they apply (groups of up to 8 rows:
+    // their sums at once, then their scaling, the weight loaded once for the group), and the
+    // portable loops elsewhere: every path gives row by row's bits. The cases cover groups of
+    // 8, 4, 2 and 1 (a chunk's last rows, and rows too long for 8 in a group), groups whose rows
+    // share a weight row and groups that straddle two (a batched weight), a last block of an
+    // odd number of 16-lane chunks, columns past the last 32 (16 of them, and a scalar tail).
     fn check<T: Element, W: Element, A: Accum>(n: usize, rows: usize, groups: usize) {
         let mut xs = values(n * rows, 11);
         // Non-finite and overflowing values, in the first tile and the last.
@@ -678,6 +680,13 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         (2071, 5, 5),
         (4112, 6, 2),
         (6160, 9, 3),
+        (128, 16, 1),
+        (4096, 15, 1),
+        (1040, 24, 3),
+        (96, 20, 3),
+        (33, 12, 2),
+        (16400, 9, 1),
+        (140_000, 3, 1),
     ] {
         check::<f32, f32, f32>(n, rows, groups);
         check::<bf16, bf16, f32>(n, rows, groups);
