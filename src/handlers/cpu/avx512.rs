@@ -38,16 +38,16 @@
 //!
 //! The forward's groups replaced pairs of rows, each pair scaled while the next pair was summed
 //! (which had replaced a second pass in column tiles, whose stores started a new 4 KiB page of y
-//! every 4 KiB). Timed alone (Rust loops, two threads, interleaved rounds, x and y cold as in
-//! `make bench`, where every variant reads and writes buffers of its own), the pairs took
-//! 1.5-1.6x the time of a plain `x * c` loop at 256x4096 and 64x16384 float32, and a plain loop
-//! that multiplies by a weight row re-read for every row 1.5x: re-loading the weight cost about
-//! as much as the rest of the scaling. Groups that load it once took 1.1-1.2x (eight rows, sums
-//! then scaling), and 0.95-1.1x with each group scaled while the next is summed (four rows).
-//! Through XLA, in `make bench`'s shuffled rounds, with this build and the pairs' in one process
-//! (18 runs of 150 rounds): float32 forward 0.81-1.04x the pairs' time (median 0.89x), bfloat16
-//! 0.91-1.05x (unchanged: conversions bound it more than memory), large shapes 0.91-1.00x. Eight
-//! rows summed then scaled, in the same process, took 0.98-1.21x this build's time.
+//! every 4 KiB). Timed alone (Rust loops, two threads, interleaved rounds, x and y cold as in `make
+//! bench`, where every variant reads and writes buffers of its own), the pairs took 1.5-1.6x the
+//! time of a plain `x * c` loop at 256x4096 and 64x16384 float32, and a plain loop that multiplies
+//! by a weight row re-read for every row 1.5x: re-loading the weight cost about as much as the rest
+//! of the scaling. Groups that load it once took 1.1-1.2x (eight rows, sums then scaling), and
+//! 1.0-1.2x with each group scaled while the next is summed (four rows). Through XLA, in `make
+//! bench`'s shuffled rounds, with this build and the pairs' in one process (9 runs of 150 rounds at
+//! both shapes): float32 forward 0.81-1.04x the pairs' time (median 0.89x), bfloat16 0.91-1.05x
+//! (unchanged: conversions bound it more than memory), large shapes 0.91-1.00x. Eight rows summed
+//! then scaled, in the same process, took 0.98-1.21x this build's time.
 //!
 //! In the scaling loop every row's loads come before any row's stores: x and y often sit at the
 //! same offset in their 4 KiB pages, and a load that follows a store whose address has the same
