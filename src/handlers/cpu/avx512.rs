@@ -301,7 +301,12 @@ fn group_rows(n: usize, size: usize) -> usize {
 /// own), re-loading the weight for every row cost about as much as the rest of the scaling; and
 /// summing the next rows while storing this group's keeps the loads from memory overlapping the
 /// stores, as in `x * c`. See the module's notes for what was measured.
-#[inline(always)]
+///
+/// This and the forward's other group functions are inlined in optimized builds only: in a
+/// debug build every inlined temporary keeps a stack slot of its own, and with all of them
+/// inlined into one closure the test threads' 2 MiB stacks overflowed. Not inlined, they compute
+/// the same bits (the intrinsics run as calls).
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
     s: V4,
     x: &[X],
@@ -349,7 +354,7 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
 
 /// The rows of `x` (a whole number of groups of `G`) as [`rows`] takes them: each group scaled
 /// while the next is summed.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn chain<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
     s: V4,
     x: &[X],
@@ -413,7 +418,7 @@ fn group_factors<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
 }
 
 /// A group's rstd from its sums, then its rows scaled.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 #[allow(clippy::too_many_arguments)]
 fn scale_group<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
     s: V4,
@@ -431,7 +436,7 @@ fn scale_group<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
 
 /// A group's rows scaled: together ([`scale_rows`]) when they share a weight row (`Some`),
 /// else row by row, each with its own.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn scale_rows_each<'w, const G: usize, X: Lane, W: Lane + 'w>(
     s: V4,
     x: &[X],
@@ -572,7 +577,7 @@ fn row_chunks<const G: usize, X: Lane>(x: &[X], n: usize) -> ([&[[X; LANES]]; G]
 }
 
 /// `sum(x^2)` of each of the `G` consecutive rows of `n` in `x` ([`GroupSums`]).
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn sum_squares_rows<const G: usize, X: Lane>(s: V4, x: &[X], n: usize) -> [f64; G] {
     let (chunks, tails) = row_chunks::<G, X>(x, n);
     let mut sums = GroupSums::<G>::new(s);
@@ -638,7 +643,7 @@ fn scale_row<X: Lane, W: Lane>(s: V4, x: &[X], w: Option<&[W]>, r: f32, y: &mut 
 }
 
 /// [`scale_rows_summing`] with no next rows.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn scale_rows<const G: usize, X: Lane, W: Lane>(
     s: V4,
     x: &[X],
@@ -654,7 +659,7 @@ fn scale_rows<const G: usize, X: Lane, W: Lane>(
 /// the weight row `w`, while summing the squares of the `G` rows of `next` (as many as x's):
 /// 32 columns of every row at a time, the weight loaded once for them all; each row's last
 /// columns (under 32) as [`scale_row`] takes them. Returns the next rows' sums of squares.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn scale_rows_summing<const G: usize, X: Lane, W: Lane>(
     s: V4,
     x: &[X],
@@ -689,7 +694,7 @@ fn scale_rows_summing<const G: usize, X: Lane, W: Lane>(
 
 /// The loop of [`scale_rows_summing`]: at each 32 columns `j`, every row's loads, then
 /// `between(j)`, then every row's stores.
-#[inline(always)]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn scale_rows_then<const G: usize, X: Lane, W: Lane>(
     s: V4,
     x: &[X],
