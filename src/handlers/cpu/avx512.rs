@@ -295,7 +295,7 @@ fn group_rows(n: usize, size: usize) -> usize {
 /// group's sums of squares, then one pass per group that scales it (`y = x * rstd * w`, 32
 /// columns of every row at a time, the weight loaded once for the group) while summing the
 /// next group's squares ([`scale_rows_summing`]), then the last group scaled alone. The
-/// chunk's last rows (fewer than a group) go in groups of 2 and 1, summed and then scaled.
+/// chunk's last rows (fewer than a group) go the same way in groups of 2 and 1.
 ///
 /// Why: with y's lines cold (as in `make bench`, where every variant writes a buffer of its
 /// own), re-loading the weight for every row cost about as much as the rest of the scaling; and
@@ -321,34 +321,23 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
         return;
     }
     let rows = rstd.len();
-    let g = group_rows(n, std::mem::size_of::<X>());
-    let chained = rows - rows % g;
-    let (y_chain, mut y_rest) = y[..rows * n].split_at_mut(chained * n);
-    let (r_chain, mut r_rest) = rstd.split_at_mut(chained);
-    match g {
-        MAX_GROUP => {
-            chain::<MAX_GROUP, X, W, A>(s, &x[..chained * n], n, &w_of, eps, y_chain, r_chain)
-        }
-        _ => chain::<2, X, W, A>(s, &x[..chained * n], n, &w_of, eps, y_chain, r_chain),
-    }
-    let mut first = chained;
-    while first < rows {
-        let g = if rows - first >= 2 { 2 } else { 1 };
-        let (yg, y_next) = std::mem::take(&mut y_rest).split_at_mut(g * n);
-        let (rg, r_next) = std::mem::take(&mut r_rest).split_at_mut(g);
-        let (xg, w_at) = (&x[first * n..(first + g) * n], |k: usize| w_of(first + k));
+    let mut first = 0;
+    // The chunk's rows in groups of the most that fit, then what is left in groups of 2 and 1.
+    for g in [group_rows(n, std::mem::size_of::<X>()), 2, 1] {
+        let take = (rows - first) / g * g;
+        let span = first * n..(first + take) * n;
+        let (x, y, rstd) = (
+            &x[span.clone()],
+            &mut y[span],
+            &mut rstd[first..first + take],
+        );
+        let w_at = |k: usize| w_of(first + k);
         match g {
-            2 => {
-                let sums = sum_squares_rows::<2, X>(s, xg, n);
-                scale_group::<2, X, W, A>(s, xg, n, w_at, eps, sums, yg, rg);
-            }
-            _ => {
-                let sums = sum_squares_rows::<1, X>(s, xg, n);
-                scale_group::<1, X, W, A>(s, xg, n, w_at, eps, sums, yg, rg);
-            }
+            MAX_GROUP => chain::<MAX_GROUP, X, W, A>(s, x, n, &w_at, eps, y, rstd),
+            2 => chain::<2, X, W, A>(s, x, n, &w_at, eps, y, rstd),
+            _ => chain::<1, X, W, A>(s, x, n, &w_at, eps, y, rstd),
         }
-        (y_rest, r_rest) = (y_next, r_next);
-        first += g;
+        first += take;
     }
 }
 
@@ -415,23 +404,6 @@ fn group_factors<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
         _ => false,
     });
     (r, shared.then_some(first))
-}
-
-/// A group's rstd from its sums, then its rows scaled.
-#[cfg_attr(not(debug_assertions), inline(always))]
-#[allow(clippy::too_many_arguments)]
-fn scale_group<'w, const G: usize, X: Lane, W: Lane + 'w, A: Accum>(
-    s: V4,
-    x: &[X],
-    n: usize,
-    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
-    eps: A,
-    sums: [f64; G],
-    y: &mut [X],
-    rstd: &mut [A],
-) {
-    let (r, w) = group_factors::<G, X, W, A>(w_of, eps, sums, n, rstd);
-    scale_rows_each::<G, X, W>(s, x, n, w, w_of, r, y);
 }
 
 /// A group's rows scaled: together ([`scale_rows`]) when they share a weight row (`Some`),
