@@ -11,6 +11,21 @@ Times are medians over the rounds; a ratio is the median over rounds of that rou
 with its 25th-75th percentile spread (the statistic the speed targets are stated in). The floor
 moves the same bytes with the same output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
 
+Output buffers (what moves the ratios at the cache-resident shapes): every variant allocates its
+outputs with malloc, and a 4 MiB output that reuses a block another variant just freed starts
+with its lines in cache, where a new block must fetch them. XLA's CPU client runs a computation
+it estimates at under 1000 flops inline, on the calling thread, and a lone custom call counts as
+unknown (-1) flops; so our jitted calls allocate on the Python thread (glibc's main arena),
+while `x * c`, jnp's norm and the add-then-our-norm run on XLA's executor threads and allocate
+from those threads' arena. Each group recycles cache-warm blocks within the group only, so the
+floor's "same output allocation" holds for the bytes but not for where they land. Timed right
+after each other variant (40 rounds, 256x4096 and 64x16384 float32), our forward took 0.99-1.34x
+the floor's time after a variant that ran on XLA's threads and 0.93-1.03x after one that ran
+inline. --one-arena sets glibc's malloc to one arena (`mallopt(M_ARENA_MAX, 1)`, before JAX
+starts its threads), so that all variants draw on one pool: there, 0.82-1.12x and 0.74-0.92x.
+It is not the default because it is not neutral either: it slowed XLA's asynchronous runs (the
+8x128 float32 floor took 0.028-0.062 ms against 0.011-0.012 ms), which flatters ours.
+
 Then the accuracy sweep of `accuracy.py`: the errors of ours and of the jnp reference against a
 long-double truth, float32 rows to one row of 2^26 and the weight gradient over 2^20 rows,
 float64 at rows of 2^20 and over 2^16 rows (--quick: three small shapes; --no-accuracy skips it).
@@ -41,13 +56,32 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-import accuracy
-import rmsnorm_ffi
-from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual
+
+def one_malloc_arena() -> bool:
+    """Sets glibc's malloc to one arena (--one-arena: see "Output buffers" above); false where
+    this is not glibc, or where it refused."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_arena_max = -8  # glibc's malloc.h
+    return mallopt(ctypes.c_int(m_arena_max), ctypes.c_int(1)) == 1
+
+
+# Before jax is imported, so before XLA's threads first allocate (a thread keeps its arena).
+ONE_ARENA = "--one-arena" in sys.argv and one_malloc_arena()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import accuracy  # noqa: E402
+import rmsnorm_ffi  # noqa: E402
+from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual  # noqa: E402
 
 SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128)]
 DTYPES = ["float32", "bfloat16"]
@@ -238,9 +272,13 @@ def main():
     parser.add_argument("--no-accuracy", action="store_true", help="skip the accuracy sweep (about 2.5 minutes; a row of 2^26 takes about 6 GB of memory)")
     parser.add_argument("--sharded-devices", type=int, default=4,
                         help="host devices for the sharded case (default 4; 0 skips it)")
+    parser.add_argument("--one-arena", action="store_true",
+                        help="set glibc's malloc to one arena first (a diagnosis: see 'Output buffers' above)")
     parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
     args = parser.parse_args()
     reps = 3 if args.quick else args.reps
+    if args.one_arena and not ONE_ARENA:
+        print("--one-arena: mallopt(M_ARENA_MAX, 1) is not available here; malloc keeps its arenas", file=sys.stderr)
     if args.sharded_worker:
         rows = sharded_worker(args.sharded_worker, SHARDED_QUICK if args.quick else SHARDED_SHAPES, reps)
         print(json.dumps(rows))
@@ -257,7 +295,8 @@ def main():
     rounds = "; ".join(f"{n} at {', '.join(names)}" for n, names in by_rounds.items())
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores; rounds: {rounds}; "
-        "ms: median; ratios: median of per-round ratios [25th-75th percentile]"
+        "ms: median; ratios: median of per-round ratios [25th-75th percentile]; malloc: "
+        + ("one arena" if ONE_ARENA else "per-thread arenas")
     )
     header = (
         f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>17} {'/jnp':>6} | "
@@ -305,7 +344,7 @@ def main():
     errors = [] if args.no_accuracy else accuracy.report({"ours": rms_norm, "jnp": rms_norm_reference}, args.quick)
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "reps": reps, "rows": rows, "accuracy": errors, "sharded": sharded,
+        json.dump({"jax": jax.__version__, "reps": reps, "one_malloc_arena": ONE_ARENA, "rows": rows, "accuracy": errors, "sharded": sharded,
                    "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
     plot(rows, os.path.join(args.out, "rmsnorm_cpu.png"))
 
