@@ -23,8 +23,9 @@ after each other variant (40 rounds, 256x4096 and 64x16384 float32), our forward
 the floor's time after a variant that ran on XLA's threads and 0.93-1.03x after one that ran
 inline. --one-arena sets glibc's malloc to one arena (`mallopt(M_ARENA_MAX, 1)`, before JAX
 starts its threads), so that all variants draw on one pool: there, 0.82-1.12x and 0.74-0.92x.
-It is not the default because it is not neutral either: it slowed XLA's asynchronous runs (the
-8x128 float32 floor took 0.028-0.062 ms against 0.011-0.012 ms), which flatters ours.
+It is not the default because it is not neutral either: it tends to slow XLA's asynchronous
+runs, which flatters ours (the 8x128 float32 floor: a median 0.056 ms over 7 runs with one arena,
+0.023-0.071, against 0.012 ms over 7 without, 0.011-0.073).
 
 Then the accuracy sweep of `accuracy.py`: the errors of ours and of the jnp reference against a
 long-double truth, float32 rows to one row of 2^26 and the weight gradient over 2^20 rows,
