@@ -9,7 +9,8 @@ shuffled order, so that drift and cache state hit them alike:
                     jnp reference the same way.
 Times are medians over the rounds; a ratio is the median over rounds of that round's ratio, printed
 with its 25th-75th percentile spread (the statistic the speed targets are stated in). The floor
-moves the same bytes with the same output allocation; a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
+moves the same bytes, into outputs of the same sizes (where they land differs: see "Output
+buffers" below); a forward pass cannot beat it by much. Prints a table and writes a PNG plot (needs matplotlib; `make bench` installs it).
 
 Output buffers (what moves the ratios at the cache-resident shapes): every variant allocates its
 outputs with malloc, and a 4 MiB output that reuses a block another variant just freed starts
@@ -56,7 +57,6 @@ import re
 import subprocess
 import sys
 import time
-
 
 
 def one_malloc_arena() -> bool:
