@@ -27,6 +27,12 @@ starts its threads), so that all variants draw on one pool: there, 0.82-1.12x an
 It is not the default because it is not neutral either: it tends to slow XLA's asynchronous
 runs, which flatters ours (the 8x128 float32 floor: a median 0.056 ms over 7 runs with one arena,
 0.023-0.071, against 0.012 ms over 7 without, 0.011-0.073).
+--evict adds 1 to a buffer of twice the L3 cache (at least 64 MiB) before every timed call, so
+that every variant starts from memory whichever ran before it: the kernels compared with nothing
+recycled warm. Not the default either: the targets at 256x4096 and 64x16384 are about shapes
+whose data stays in cache from call to call, and eviction takes that from every variant. One run
+(all shapes and dtypes, 2-core VM): float32 forward 0.90x and 0.84x the floor there, bfloat16
+0.91x and 0.86x, forward+backward 1.00-1.06x, the large shapes' forward 0.99-1.07x.
 
 Then the accuracy sweep of `accuracy.py`: the errors of ours and of the jnp reference against a
 long-double truth, float32 rows to one row of 2^26 and the weight gradient over 2^20 rows,
@@ -133,9 +139,25 @@ def rounds_for(shape, reps: int) -> int:
     return reps
 
 
-def measure(shape, dtype, reps):
+def eviction_buffer(evict: bool):
+    """With --evict, a float32 buffer of twice the L3 cache this machine reports (at least 64
+    MiB), which `measure` adds 1 to before every timed call; else None. The add reads and writes
+    every line with ordinary loads and stores (a fill of this size may go round the caches: glibc's
+    memset streams past them above about 3/4 of L3), so whatever x, the weight and the output
+    blocks held in cache is gone, and every variant starts from memory whichever ran before it."""
+    if not evict:
+        return None
+    try:
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        l3 = 0
+    return np.zeros(max(2 * max(l3, 0), 64 << 20) // 4, np.float32)
+
+
+def measure(shape, dtype, reps, evict=None):
     """Per variant, its wall time (ms) in each of `rounds_for(shape, reps)` rounds; every
-    round times every variant once, in a new shuffled order."""
+    round times every variant once, in a new shuffled order. With `evict` (an
+    `eviction_buffer`), every timed call starts with the caches evicted."""
     key = jax.random.key(0)
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
     dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
@@ -152,6 +174,8 @@ def measure(shape, dtype, reps):
         # timed after a cache-thrashing neighbour.
         rng.shuffle(order)
         for name, (fn, _) in order:
+            if evict is not None:
+                np.add(evict, 1, out=evict)
             start = time.perf_counter()
             jax.block_until_ready(fn(x, w, dy))
             times[name].append((time.perf_counter() - start) * 1e3)
@@ -275,6 +299,8 @@ def main():
                         help="host devices for the sharded case (default 4; 0 skips it)")
     parser.add_argument("--one-arena", action="store_true",
                         help="set glibc's malloc to one arena first (a diagnosis: see 'Output buffers' above)")
+    parser.add_argument("--evict", action="store_true",
+                        help="evict the caches before every timed call (a diagnosis: see 'Output buffers' above)")
     parser.add_argument("--sharded-worker", type=int, metavar="DEVICES", help=argparse.SUPPRESS)
     args = parser.parse_args()
     reps = 3 if args.quick else args.reps
@@ -290,6 +316,7 @@ def main():
     dtypes = args.dtypes.split(",") if args.dtypes else DTYPES
     os.makedirs(args.out, exist_ok=True)
 
+    evict = eviction_buffer(args.evict)
     by_rounds = {}
     for shape in shapes:
         by_rounds.setdefault(rounds_for(shape, reps), []).append("x".join(map(str, shape)))
@@ -298,6 +325,9 @@ def main():
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores; rounds: {rounds}; "
         "ms: median; ratios: median of per-round ratios [25th-75th percentile]; malloc: "
         + ("one arena" if ONE_ARENA else "per-thread arenas")
+        + "; caches: "
+        + (f"evicted before every timed call ({evict.nbytes >> 20} MiB written)" if evict is not None
+           else "as the variant before left them")
     )
     header = (
         f"{'shape':>12} {'dtype':>9} | {'fwd ms':>8} {'/floor':>17} {'/jnp':>6} | "
@@ -308,7 +338,7 @@ def main():
     rows = []
     for dtype in dtypes:
         for shape in shapes:
-            times = measure(shape, dtype, reps)
+            times = measure(shape, dtype, reps, evict)
             t = {name: float(np.median(v)) for name, v in times.items()}
             fwd, fb = ratio(times, "fwd ours", "fwd floor"), ratio(times, "fwd+bwd ours", "fwd+bwd floor")
             row = {
@@ -345,7 +375,9 @@ def main():
     errors = [] if args.no_accuracy else accuracy.report({"ours": rms_norm, "jnp": rms_norm_reference}, args.quick)
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "reps": reps, "one_malloc_arena": ONE_ARENA, "rows": rows, "accuracy": errors, "sharded": sharded,
+        json.dump({"jax": jax.__version__, "reps": reps, "one_malloc_arena": ONE_ARENA,
+                   "evicted_bytes": 0 if evict is None else evict.nbytes,
+                   "rows": rows, "accuracy": errors, "sharded": sharded,
                    "stats": rmsnorm_ffi.stats()["executions"]}, f, indent=1)
     plot(rows, os.path.join(args.out, "rmsnorm_cpu.png"))
 

@@ -18,7 +18,9 @@ def test_bench_quick_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "fwd ms" in result.stdout
+    assert "caches: as the variant before left them" in result.stdout
     results = json.loads((tmp_path / "results.json").read_text())
+    assert results["evicted_bytes"] == 0
     rows = results["rows"]
     assert len(rows) == 4
     for row in rows:
@@ -46,3 +48,21 @@ def test_bench_quick_run(tmp_path):
         if row["impl"] == "ours":  # rows run per shard: nothing gathered
             assert row["all_gathers"] == 0, row
     assert len(re.findall(r"all-gathers \d+", result.stdout)) == 4, result.stdout
+
+
+def test_bench_evict_run(tmp_path):
+    """--evict (a diagnosis) writes its buffer before every timed call and says so."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--evict", "--shapes", "8x128",
+         "--dtypes", "float32", "--reps", "1", "--no-accuracy", "--sharded-devices", "0",
+         "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"caches: evicted before every timed call \(\d+ MiB written\)", result.stdout), result.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["evicted_bytes"] >= 64 << 20
+    (row,) = results["rows"]
+    assert row["rounds"] == 10 and row["fwd ours"] > 0 and row["fwd floor"] > 0
