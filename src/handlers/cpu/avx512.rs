@@ -5,10 +5,11 @@
 //! same operations in the same order per lane, so their results are bit-identical to the
 //! portable ones (tested on every instruction set), in a different order over memory:
 //!
-//! 1. forward: rows in groups of up to 8 (as many as fit in 512 KiB): the group's sums of
-//!    squares, one independent add chain per row, so the loop is bound by loads rather than by
-//!    the latency of one chain; then the group's rows scaled (`y = x * rstd * w`) 32 columns
-//!    of every row at a time, the weight loaded once for the group (see `rows`);
+//! 1. forward: rows in groups of four (two where two groups of four would pass 512 KiB; a
+//!    chunk's last rows in twos and ones): each group scaled (`y = x * rstd * w`) 32 columns of
+//!    every row at a time, the weight loaded once for the group, while the next group's sums of
+//!    squares run beside it, one independent add chain per row, so the loop is bound by loads
+//!    rather than by the latency of one chain (see `rows`);
 //! 2. backward: the dot products and the sums of squares of two rows at a time;
 //! 3. backward: the second pass (dx and the weight gradient) in column tiles over a group of
 //!    rows, so a tile of the weight and of the float64 gradient row stays in L1 while every row

@@ -619,12 +619,13 @@ fn multi_row_loops_match_row_by_row_bit_for_bit() {
 
 #[test]
 fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
-    // `forward_chunk` takes the explicit AVX-512 loops where they apply (groups of up to 8 rows:
-    // their sums at once, then their scaling, the weight loaded once for the group), and the
+    // `forward_chunk` takes the explicit AVX-512 loops where they apply (groups of 4 rows, each
+    // scaled while the next group is summed, the weight loaded once for the group), and the
     // portable loops elsewhere: every path gives row by row's bits. The cases cover groups of
-    // 8, 4, 2 and 1 (a chunk's last rows, and rows too long for 8 in a group), groups whose rows
-    // share a weight row and groups that straddle two (a batched weight), a last block of an
-    // odd number of 16-lane chunks, columns past the last 32 (16 of them, and a scalar tail).
+    // 4, 2 and 1 (chained, a chunk's last rows, and rows too long for 4 in a group: 16400 and
+    // 140000), groups whose rows share a weight row and groups that straddle two (a batched
+    // weight), a last block of an odd number of 16-lane chunks, columns past the last 32 (16 of
+    // them, and a scalar tail).
     fn check<T: Element, W: Element, A: Accum>(n: usize, rows: usize, groups: usize) {
         let mut xs = values(n * rows, 11);
         // Non-finite and overflowing values, in the first tile and the last.
