@@ -142,9 +142,10 @@ def rounds_for(shape, reps: int) -> int:
 def eviction_buffer(evict: bool):
     """With --evict, a float32 buffer of twice the L3 cache this machine reports (at least 64
     MiB), which `measure` adds 1 to before every timed call; else None. The add reads and writes
-    every line with ordinary loads and stores (a fill of this size may go round the caches: glibc's
-    memset streams past them above about 3/4 of L3), so whatever x, the weight and the output
-    blocks held in cache is gone, and every variant starts from memory whichever ran before it."""
+    every line with ordinary loads and stores (a fill might not: glibc's memset streams past the
+    caches above a threshold it derives from the L3 size, which differs by version and CPU), so
+    whatever x, the weight and the output blocks held in cache is gone, and every variant starts
+    from memory whichever ran before it."""
     if not evict:
         return None
     try:
