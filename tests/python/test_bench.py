@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The variants each round times once.
+VARIANTS = ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
+            "res fused", "res unfused", "res jnp")
 
 
 def test_bench_quick_run(tmp_path):
@@ -20,12 +23,11 @@ def test_bench_quick_run(tmp_path):
     assert "fwd ms" in result.stdout
     assert "caches: as the variant before left them" in result.stdout
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["evicted_bytes"] == 0
+    assert results["evicted_bytes"] == 0 and results["evictions"] == 0
     rows = results["rows"]
     assert len(rows) == 4
     for row in rows:
-        for key in ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
-                    "res fused", "res unfused", "res jnp"):
+        for key in VARIANTS:
             assert row[key] > 0
         lo, hi = row["fwd / floor spread"]
         assert lo <= row["fwd / floor"] <= hi
@@ -66,3 +68,5 @@ def test_bench_evict_run(tmp_path):
     assert results["evicted_bytes"] >= 64 << 20
     (row,) = results["rows"]
     assert row["rounds"] == 10 and row["fwd ours"] > 0 and row["fwd floor"] > 0
+    # One eviction before each timed call: every variant, every round.
+    assert results["evictions"] == row["rounds"] * len(VARIANTS)
