@@ -270,13 +270,27 @@ def peak_rss_bytes() -> int:
 
 def _growth_mb(samples: list[tuple[int, int]]) -> float | None:
     """RSS growth over a churn, from its settled samples ``(cycle, bytes)`` (taken at every
-    clear of the caches and once after the last cycle): from the first sample after a warm-up
-    tenth of the cycles (allocators and JAX's own tables settle) to the last. None when no
-    sample precedes the last one (a churn shorter than ``clear_every`` cycles)."""
+    clear of the caches and once after the last cycle): the least-squares trend through the
+    samples from the first after a warm-up tenth of the cycles (allocators and JAX's own tables
+    settle) to the last, times the cycles they span. None when no sample precedes the last one
+    (a churn shorter than ``clear_every`` cycles); the difference of the two where they share a
+    cycle.
+
+    Why a trend and not last minus first: a leak grows with every cycle, while settled samples
+    taken as the workers run scatter around their level (16 threads on 4 devices: 251-267 MB in
+    one run, with no growth), and a difference of two samples carries both samples' scatter.
+    That read 16.2 MB once where such runs read 2-4, at a bound of 16; the trend through all
+    the samples leaves the growth of a leak where it was and averages the scatter down."""
     if len(samples) < 2:
         return None
-    first = next(b for c, b in samples if c >= samples[-1][0] // 10)
-    return round((samples[-1][1] - first) / 2**20, 1)
+    kept = [(c, b) for c, b in samples if c >= samples[-1][0] // 10]
+    span = kept[-1][0] - kept[0][0]
+    if span == 0:
+        return round((kept[-1][1] - kept[0][1]) / 2**20, 1)
+    mean_c = sum(c for c, _ in kept) / len(kept)
+    mean_b = sum(b for _, b in kept) / len(kept)
+    slope = sum((c - mean_c) * (b - mean_b) for c, b in kept) / sum((c - mean_c) ** 2 for c, _ in kept)
+    return round(slope * span / 2**20, 1)
 
 
 def _is_jax_runtime_error(e: BaseException) -> bool:
