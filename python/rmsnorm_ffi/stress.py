@@ -65,6 +65,7 @@ import pathlib
 import random
 import re
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -287,9 +288,7 @@ def _growth_mb(samples: list[tuple[int, int]]) -> float | None:
     span = kept[-1][0] - kept[0][0]
     if span == 0:
         return round((kept[-1][1] - kept[0][1]) / 2**20, 1)
-    mean_c = sum(c for c, _ in kept) / len(kept)
-    mean_b = sum(b for _, b in kept) / len(kept)
-    slope = sum((c - mean_c) * (b - mean_b) for c, b in kept) / sum((c - mean_c) ** 2 for c, _ in kept)
+    slope = statistics.linear_regression([c for c, _ in kept], [b for _, b in kept]).slope
     return round(slope * span / 2**20, 1)
 
 
