@@ -19,14 +19,17 @@ concurrent executions, churn and teardown:
    allocations there are the pools still growing after warm-up.
 4. At the end every executable is dropped, caches cleared, and every state created during the
    run must have been destroyed (:func:`rmsnorm_ffi.stats`, which counts registered libraries'
-   states too). RSS growth over the churn is compared with a jnp-only control run of as
-   many cycles, both sampled settled (at each clear of the caches, with the garbage collected
-   and glibc's free heap returned; see :func:`settled_rss_bytes`).
+   states too). The growth over the churn of RSS and of glibc's heap in use is compared with
+   a jnp-only control run of as many cycles, both sampled settled (at each clear of the caches,
+   with the workers parked between calls, the garbage collected and glibc's free heap
+   returned; see :func:`settled_sample`). The heap in use is the sharp test for a leak through
+   malloc: it is blind to the allocator's settling (arenas that keep what threads freed), which
+   moves RSS by several MB from run to run without growing with the cycles.
 
 What the checks cannot see: a state that does not register itself in the live-state registry
 (``LiveState``) is invisible to the leak check; scratch memory that does not come from a
-``WorkspacePool`` is invisible to the allocation count (a leak of it shows, if large enough, in
-the RSS growth only); a race whose window the schedules of this machine never hit stays
+``WorkspacePool`` is invisible to the allocation count (a leak of it shows in the heap in use
+when it comes from malloc, and in the RSS growth only, if large enough, when it does not); a race whose window the schedules of this machine never hit stays
 unseen (a broken bundle is caught every time only when concurrent executions overlap in its
 window); a target whose result depends on its execution history passes when ``check`` allows
 it (the counter example is such a target, checked by a property).
@@ -53,6 +56,8 @@ programs (for the RMS norm rows run per shard: there should be none).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import gc
@@ -157,6 +162,11 @@ class Report:
     control_seconds: float
     control_rss_growth_mb: float | None
     rss_slack_mb: float
+    churn_heap_growth_mb: float | None
+    control_heap_growth_mb: float | None
+    heap_slack_mb: float
+    churn_samples: list[dict]
+    control_samples: list[dict]
     examples: list[str]
     jax_examples: list[str]
     failures: list[str]
@@ -232,9 +242,6 @@ def current_rss_bytes() -> int:
 @functools.cache
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)``, or None where the C library has none (musl, macOS)."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
@@ -243,6 +250,36 @@ def _malloc_trim() -> Callable[[], None] | None:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return lambda: trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], "_MallInfo2"] | None:
+    """glibc's ``mallinfo2`` (2.33+; summed over every arena), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        info = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info.argtypes = []
+    info.restype = _MallInfo2
+    return info
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """What glibc's malloc says of itself: ``(in use, held from the system)`` in bytes, every
+    arena and every mmapped chunk included; None without ``mallinfo2``. Memory in use is what
+    the process asked for and has not freed, so a leak through malloc grows it however the
+    allocator's free lists and arenas settle; what it holds is what RSS can see of the heap."""
+    info = _mallinfo2()
+    if info is None:
+        return None
+    m = info()
+    return m.uordblks + m.hblkhd, m.arena + m.hblkhd
 
 
 def settled_rss_bytes() -> int:
@@ -264,12 +301,36 @@ def settled_rss_bytes() -> int:
     return current_rss_bytes()
 
 
+def settled_sample(cycle: int) -> dict[str, Any]:
+    """One settled memory sample after churn cycle ``cycle``: RSS (:func:`settled_rss_bytes`),
+    the heap in use and held (:func:`heap_bytes`, None without glibc), the live states and
+    workspace bytes of :func:`rmsnorm_ffi.stats`, and the arrays JAX holds. A leak shows as
+    growth of one of them with the cycles; an allocator settling grows RSS or the heap held
+    but not the heap in use."""
+    import jax
+
+    import rmsnorm_ffi
+
+    rss = settled_rss_bytes()
+    heap = heap_bytes()
+    stats = rmsnorm_ffi.stats()
+    return dict(
+        cycle=cycle,
+        rss=rss,
+        heap_in_use=None if heap is None else heap[0],
+        heap_held=None if heap is None else heap[1],
+        live_states=stats["live_states"],
+        workspace_bytes=stats["workspace_bytes"],
+        live_arrays=len(jax.live_arrays()),
+    )
+
+
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _growth_mb(samples: list[tuple[int, int]]) -> float | None:
+def _growth_mb(samples: list[dict[str, Any]], key: str = "rss") -> float | None:
     """RSS growth over a churn, from its settled samples ``(cycle, bytes)`` (taken at every
     clear of the caches and once after the last cycle): the least-squares trend through the
     samples from the first after a warm-up tenth of the cycles (allocators and JAX's own tables
@@ -282,9 +343,9 @@ def _growth_mb(samples: list[tuple[int, int]]) -> float | None:
     one run, with no growth), and a difference of two samples carries both samples' scatter.
     That read 16.2 MB once where such runs read 2-4, at a bound of 16; the trend through all
     the samples leaves the growth of a leak where it was and averages the scatter down."""
-    if len(samples) < 2:
+    if len(samples) < 2 or samples[-1][key] is None:
         return None
-    kept = [(c, b) for c, b in samples if c >= samples[-1][0] // 10]
+    kept = [(s["cycle"], s[key]) for s in samples if s["cycle"] >= samples[-1]["cycle"] // 10]
     span = kept[-1][0] - kept[0][0]
     if span == 0:
         return round((kept[-1][1] - kept[0][1]) / 2**20, 1)
@@ -462,7 +523,12 @@ class _Harness:
         self.worker_counters = [Counters() for _ in range(opts["threads"])]
         self.churn_counters = Counters()
         self.churn_cycles = 0
-        self.churn_rss: list[tuple[int, int]] = []
+        self.churn_rss: list[dict[str, Any]] = []
+        self.worker_threads: list[threading.Thread] = []
+        # Workers park here between calls while the churn thread takes a settled sample.
+        self.pause = threading.Condition()
+        self.paused = False
+        self.parked = 0
         self.next_index = opts["executables"]
         self.cases_takes_devices = _accepts(cases, "devices")
 
@@ -597,8 +663,37 @@ class _Harness:
                 break
             rng.shuffle(order)
             for executable in order:
+                self.checkpoint()
                 self.call(executable, counters, index)
             done += 1
+
+    def checkpoint(self) -> None:
+        """A worker, between calls: parks while a sample is being taken."""
+        with self.pause:
+            if not self.paused:
+                return
+            self.parked += 1
+            self.pause.notify_all()
+            while self.paused:
+                self.pause.wait()
+            self.parked -= 1
+
+    def quiet_sample(self, cycle: int) -> dict[str, Any]:
+        """A settled sample (:func:`settled_sample`) with every worker parked between calls, so
+        that no call is in flight while it is taken. Samples taken while 16 workers ran scattered
+        by several MB of RSS and heap (their arrays and per-thread arenas in use), which is noise
+        to a trend that looks for a few KB per cycle."""
+        with self.pause:
+            self.paused = True
+            # A worker that has left its loop never parks: wait for it to end instead.
+            while self.parked < sum(t.is_alive() for t in self.worker_threads):
+                self.pause.wait(timeout=0.01)
+        try:
+            return settled_sample(cycle) | {"workers_running": sum(t.is_alive() for t in self.worker_threads)}
+        finally:
+            with self.pause:
+                self.paused = False
+                self.pause.notify_all()
 
     def fresh_index(self) -> int:
         with self.lock:
@@ -607,7 +702,7 @@ class _Harness:
             return index
 
     def churn_cycle(
-        self, rng: random.Random, counters: Counters, rss: list[tuple[int, int]], control: bool, cycle: int,
+        self, rng: random.Random, counters: Counters, rss: list[dict[str, Any]], control: bool, cycle: int,
     ) -> None:
         """Cycle number ``cycle`` (from 1): compiles, runs and drops one executable; every
         ``clear_every`` cycles clears the caches and appends a settled RSS sample to ``rss``."""
@@ -621,7 +716,7 @@ class _Harness:
             self.call(executable, counters, 0)
         del executable
         if cycle % self.o["clear_every"] == 0:
-            rss.append((cycle, settled_rss_bytes()))
+            rss.append(self.quiet_sample(cycle))
 
     def churn(self, workers_done: threading.Event) -> None:
         """Compiles, runs and drops executables until the workers are done and at least
@@ -633,7 +728,7 @@ class _Harness:
             self.churn_cycles += 1
             self.churn_cycle(rng, self.churn_counters, self.churn_rss, control=False, cycle=self.churn_cycles)
         if self.churn_cycles:
-            self.churn_rss.append((self.churn_cycles, settled_rss_bytes()))
+            self.churn_rss.append(settled_sample(self.churn_cycles))
 
     def total(self) -> Counters:
         total = Counters()
@@ -665,9 +760,12 @@ class _Harness:
         """Runs the workers (and the churn thread); returns the seconds they took. `show`: print
         the progress bar meanwhile."""
         o = self.o
-        deadline = None if seconds is None else time.monotonic() + seconds
+        # One clock for the deadline and the elapsed time, so a run given `seconds` reports at
+        # least that many (taking `start` after the threads started read short by their start-up).
+        start = time.monotonic()
+        deadline = None if seconds is None else start + seconds
         barrier = threading.Barrier(o["threads"] + 1)
-        workers = [
+        workers = self.worker_threads = [
             threading.Thread(target=self.worker, args=(i, executables, rounds, deadline, barrier), daemon=True)
             for i in range(o["threads"])
         ]
@@ -676,7 +774,6 @@ class _Harness:
         for t in workers:
             t.start()
         barrier.wait()
-        start = time.monotonic()
         if churn:
             churner.start()
         planned = o["threads"] * len(executables) * (rounds or 0)
@@ -757,7 +854,7 @@ class _Harness:
         leaked = [s for s in after["states"] if s["id"] not in live_before]
 
         # The control: as many churn cycles of a jnp-only function, for the RSS comparison.
-        control_rss: list[tuple[int, int]] = []
+        control_rss: list[dict[str, Any]] = []
         control_cycles = min(self.churn_cycles, o["control_cycles"]) if o["churn"] and o["control"] else 0
         control_counters = Counters()
         control_start = time.monotonic()
@@ -765,7 +862,7 @@ class _Harness:
             rng = random.Random(o["seed"] + 11)
             for cycle in range(1, control_cycles + 1):
                 self.churn_cycle(rng, control_counters, control_rss, control=True, cycle=cycle)
-            control_rss.append((control_cycles, settled_rss_bytes()))
+            control_rss.append(settled_sample(control_cycles))
         control_seconds = time.monotonic() - control_start
         # The control calls no custom call: whatever it raised is not the bundle's.
         self.churn_counters.jax_errors += control_counters.jax_errors + control_counters.errors
@@ -773,6 +870,8 @@ class _Harness:
         total = self.total()
         churn_growth = _growth_mb(self.churn_rss)
         control_growth = _growth_mb(control_rss)
+        churn_heap = _growth_mb(self.churn_rss, "heap_in_use")
+        control_heap = _growth_mb(control_rss, "heap_in_use")
         failures = []
         if total.mismatches:
             failures.append(f"{total.mismatches} results did not pass")
@@ -787,6 +886,11 @@ class _Harness:
             failures.append(
                 f"RSS grew by {churn_growth} MB over {self.churn_cycles} churn cycles, the jnp-only control by "
                 f"{control_growth} MB (allowed: {o['rss_slack_mb']} MB more)"
+            )
+        if None not in (churn_heap, control_heap) and churn_heap > control_heap + o["heap_slack_mb"]:
+            failures.append(
+                f"the heap in use grew by {churn_heap} MB over {self.churn_cycles} churn cycles, the jnp-only control's "
+                f"by {control_heap} MB (allowed: {o['heap_slack_mb']} MB more)"
             )
         if steady_calls and steady_allocations * 2 > steady_calls:
             failures.append(
@@ -833,6 +937,11 @@ class _Harness:
             control_seconds=round(control_seconds, 3),
             control_rss_growth_mb=control_growth,
             rss_slack_mb=o["rss_slack_mb"],
+            churn_heap_growth_mb=churn_heap,
+            control_heap_growth_mb=control_heap,
+            heap_slack_mb=o["heap_slack_mb"],
+            churn_samples=self.churn_rss,
+            control_samples=control_rss,
             examples=self.examples,
             jax_examples=self.jax_examples,
             failures=failures,
@@ -861,6 +970,7 @@ def run(
     in_specs: Sequence | Callable | None = None,
     control: Callable | None | bool = None,
     rss_slack_mb: float = 32.0,
+    heap_slack_mb: float = 8.0,
     control_cycles: int = 100,
     seed: int = 0,
     progress: bool = True,
@@ -898,7 +1008,10 @@ def run(
       them); default: the leading axis over the mesh when it divides, else replicated.
     - ``control``: the jnp-only function of the control run (same inputs and static values);
       default: one returning zeros of ``fn``'s output shapes plus the inputs' sum; ``False``
-      for no control run. The churn's RSS growth may exceed the control's by ``rss_slack_mb``.
+      for no control run. The churn's RSS growth may exceed the control's by ``rss_slack_mb``,
+      and its growth of the heap in use (glibc's ``mallinfo2``; not checked elsewhere) the
+      control's by ``heap_slack_mb``. Growth is the trend through settled samples
+      (:func:`settled_sample`, taken with the workers parked between calls), times the cycles.
 
     Raises ValueError/TypeError for bad options, naming the option.
     """
@@ -932,7 +1045,8 @@ def run(
     opts = dict(
         threads=threads, executables=executables, seconds=seconds, calls=calls, churn=bool(churn),
         churn_cycles=churn_cycles, clear_every=clear_every, steady_rounds=steady_rounds, devices=devices,
-        mesh=mesh, control=control is not False, rss_slack_mb=float(rss_slack_mb), control_cycles=control_cycles,
+        mesh=mesh, control=control is not False, rss_slack_mb=float(rss_slack_mb), heap_slack_mb=float(heap_slack_mb),
+        control_cycles=control_cycles,
         seed=int(seed),
         progress=bool(progress), name=name or _name_of(fn),
     )
@@ -964,6 +1078,10 @@ def print_summary(summary: dict[str, Any], out=None) -> None:
               else "not measured (the caches were never cleared before the end)")
     p(f"churn: {summary['churn_cycles']} executables compiled, run and dropped; "
       f"RSS growth over the churn {growth}{control}")
+    if summary["churn_heap_growth_mb"] is not None:
+        heap_control = (f", the control's {summary['control_heap_growth_mb']} MB"
+                        if summary["control_heap_growth_mb"] is not None else "")
+        p(f"heap in use (malloc): growth over the churn {summary['churn_heap_growth_mb']} MB{heap_control}")
     p(
         f"states: created {summary['states_created']}, destroyed {summary['states_destroyed']}, "
         f"live during the run {summary['states_live_during_run']}, leaked {summary['states_leaked']}"
@@ -1200,6 +1318,9 @@ def parser() -> argparse.ArgumentParser:
                    help="cycles of the control run: as many as the churn did, up to this (default: 100)")
     p.add_argument("--rss-slack-mb", type=float, default=32.0,
                    help="how much more the churn's RSS may grow than the control's (default: 32)")
+    p.add_argument("--heap-slack-mb", type=float, default=8.0,
+                   help="how much more the churn's heap in use (glibc's mallinfo2) may grow than the control's "
+                        "(default: 8)")
     p.add_argument("--devices", type=int, default=1,
                    help="split the CPU into this many XLA devices and run under shard_map, or under an "
                         "explicit mesh with --mesh explicit (default: 1)")
@@ -1252,7 +1373,7 @@ def main(argv: list[str] | None = None) -> int:
         churn=args.churn, churn_cycles=args.churn_cycles, clear_every=args.clear_every,
         steady_rounds=args.steady_rounds, devices=args.devices,
         mesh=args.mesh if (args.devices > 1 or args.mesh == "explicit") else None,
-        rss_slack_mb=args.rss_slack_mb, control_cycles=args.control_cycles, seed=args.seed, progress=not args.quiet, summary=True, **options,
+        rss_slack_mb=args.rss_slack_mb, heap_slack_mb=args.heap_slack_mb, control_cycles=args.control_cycles, seed=args.seed, progress=not args.quiet, summary=True, **options,
     )
     if args.json:
         with open(args.json, "w") as f:
