@@ -331,25 +331,35 @@ def peak_rss_bytes() -> int:
 
 
 def _growth_mb(samples: list[dict[str, Any]], key: str = "rss") -> float | None:
-    """RSS growth over a churn, from its settled samples ``(cycle, bytes)`` (taken at every
-    clear of the caches and once after the last cycle): the least-squares trend through the
-    samples from the first after a warm-up tenth of the cycles (allocators and JAX's own tables
-    settle) to the last, times the cycles they span. None when no sample precedes the last one
-    (a churn shorter than ``clear_every`` cycles); the difference of the two where they share a
-    cycle.
+    """Growth of ``key`` (``"rss"``, ``"heap_in_use"``, ...) over a churn, in MB, from its
+    settled samples (:func:`settled_sample`, taken at every clear of the caches and once after
+    the last cycle): the least-squares trend per cycle through the samples from the first after
+    a warm-up tenth of the cycles (allocators and JAX's own tables settle), times the cycles
+    from that sample to the last. None when no sample precedes the last one (a churn shorter
+    than ``clear_every`` cycles) or the figure is missing (no glibc).
 
     Why a trend and not last minus first: a leak grows with every cycle, while settled samples
-    taken as the workers run scatter around their level (16 threads on 4 devices: 251-267 MB in
-    one run, with no growth), and a difference of two samples carries both samples' scatter.
-    That read 16.2 MB once where such runs read 2-4, at a bound of 16; the trend through all
-    the samples leaves the growth of a leak where it was and averages the scatter down."""
+    scatter around their level, and a difference of two samples carries both scatters (it read
+    16.2 MB of RSS once where such runs read 2-4).
+
+    Why the samples of one worker phase: while the workers run (parked or not) their arrays,
+    thread states and arenas are in every sample, and in none after they stop (3-4 MB of heap
+    with 16 threads). A trend across that step would read their end as a shrinking heap and
+    hide a leak as large, so the trend is taken through the larger of the two groups (the
+    samples with the workers running, or those after they stopped), or through all samples
+    when neither group has two."""
     if len(samples) < 2 or samples[-1][key] is None:
         return None
-    kept = [(s["cycle"], s[key]) for s in samples if s["cycle"] >= samples[-1]["cycle"] // 10]
-    span = kept[-1][0] - kept[0][0]
+    after = [s for s in samples if s["cycle"] >= samples[-1]["cycle"] // 10]
+    span = after[-1]["cycle"] - after[0]["cycle"]
     if span == 0:
-        return round((kept[-1][1] - kept[0][1]) / 2**20, 1)
-    slope = statistics.linear_regression([c for c, _ in kept], [b for _, b in kept]).slope
+        return round((after[-1][key] - after[0][key]) / 2**20, 1)
+    stopped = [s for s in after if s.get("workers_running", 0) == 0]
+    running = [s for s in after if s.get("workers_running", 0) != 0]
+    group = stopped if len(stopped) >= len(running) else running
+    if len({s["cycle"] for s in group}) < 2:
+        group = after
+    slope = statistics.linear_regression([s["cycle"] for s in group], [s[key] for s in group]).slope
     return round(slope * span / 2**20, 1)
 
 
@@ -728,7 +738,7 @@ class _Harness:
             self.churn_cycles += 1
             self.churn_cycle(rng, self.churn_counters, self.churn_rss, control=False, cycle=self.churn_cycles)
         if self.churn_cycles:
-            self.churn_rss.append(settled_sample(self.churn_cycles))
+            self.churn_rss.append(settled_sample(self.churn_cycles) | {"workers_running": 0})
 
     def total(self) -> Counters:
         total = Counters()

@@ -1,6 +1,8 @@
 """Stress specs (``rmsnorm_ffi.stress.Spec``) for the test fixtures' reverse bundle
 (``rmsnorm_ffi_testing_reverse`` in ``tests/fixtures/testing_bundles``): the correct one, with a
-workspace pool, and the three deliberately broken variants the harness must catch.
+workspace pool, and the three deliberately broken variants the harness must catch; and our RMS
+norm with a planted leak (``LEAKING_RMS_NORM``: 10 KB kept per compile), which the churn's heap
+check in ``tests/python/test_stress.py`` must catch.
 
     python -m rmsnorm_ffi.stress --library target/bundles/librmsnorm_ffi_testing.so \\
         --spec tests/python/stress_specs.py:POOLED -t 2 -k 2 -n 50
@@ -50,3 +52,25 @@ POOLED = reverse_spec("pooled")
 SHARED_SCRATCH = reverse_spec("shared_scratch")
 HISTORY = reverse_spec("history")
 LEAKY = reverse_spec("leaky")
+
+
+# A planted leak for the churn's memory checks: our RMS norm spec, but every compile of `fn` (one
+# per churn cycle) keeps 10 KB, written so that its pages are resident. That is 1 MB per 100
+# cycles, as a bundle that leaked a small buffer in every instantiate stage would.
+PLANTED_LEAK_BYTES = 10 * 1024
+_planted: list = []
+
+
+def _leaking_rms_norm() -> stress.Spec:
+    import dataclasses
+
+    spec = stress.rms_norm_spec()
+
+    def fn(x, w, g, *, kind, eps, mesh=None):
+        _planted.append(np.ones(PLANTED_LEAK_BYTES // 8, np.float64))
+        return spec.fn(x, w, g, kind=kind, eps=eps, mesh=mesh)
+
+    return dataclasses.replace(spec, fn=fn, name="rmsnorm_ffi.rms_norm, leaking 10 KB per compile")
+
+
+LEAKING_RMS_NORM = _leaking_rms_norm()
