@@ -19,9 +19,11 @@ PYTHON_NEW ?= $(shell for py in \
 VENV_NEW := .venv-new
 PY_NEW := $(VENV_NEW)/bin/python
 DEPS_NEW := $(VENV_NEW)/.deps-installed
-WHEEL_NEW := target/wheel-new
+# `make wheel`: the abi3 wheel (one file for every CPython >= 3.11 on this platform), which
+# installs without Rust; python-test-new and tests/python/test_packaging.py install it.
+WHEEL_DIR := target/wheels
 
-.PHONY: demo stateful-demo bundles counter-bundle sanitize loom memcheck test bench develop \
+.PHONY: demo stateful-demo bundles counter-bundle sanitize loom memcheck test bench develop wheel \
 	rust-test python-test python-test-new gpu-emulate gpu-sanitize clean
 
 $(DEPS): requirements-dev.txt pyproject.toml
@@ -103,7 +105,7 @@ gpu-sanitize:
 # have 2): in this unoptimized, instrumented build the AVX-512 forward, whose loops are all
 # `#[inline(always)]` into one closure, takes a frame of about 2.3 MB (every inlined temporary
 # its own slot with redzones); release builds share those slots.
-SANITIZE_TESTS := --lib --test fuzz_frames --test fixture_bundles --test registry_hooks
+SANITIZE_TESTS := -p rmsnorm_ffi -p xla-ffi-bundles --lib --test fuzz_frames --test fixture_bundles --test registry_hooks
 sanitize:
 	@if ! cargo +nightly --version >/dev/null 2>&1; then \
 		echo "sanitize: no nightly Rust toolchain (rustup toolchain install nightly), skipped"; exit 0; fi; \
@@ -115,7 +117,7 @@ sanitize:
 # what they prove and what they do not). ThreadSanitizer would be the other tool, and Rust's does
 # not run here (it needs an instrumented std).
 loom:
-	cargo test --quiet --features fake-runtime,loom --lib loom_tests
+	cargo test --quiet -p xla-ffi-bundles --features fake-runtime,loom --lib loom_tests
 
 # The fuzzed call frames again under valgrind's memcheck (fewer cases: it runs ~50x slower), for
 # what AddressSanitizer cannot see: a branch or a copy that depends on uninitialised memory (ASan
@@ -127,7 +129,13 @@ memcheck: $(DEPS)
 	test -n "$$bin" || { echo "memcheck: no fuzz_frames test binary"; exit 1; }; \
 	PROPTEST_CASES=150 valgrind --quiet --leak-check=no --undef-value-errors=yes --error-exitcode=99 $$bin --test-threads=1
 
-python-test: develop bundles
+# The abi3 wheel, built with .venv's interpreter after `maturin develop` (same features and
+# profile: cargo has nothing left to compile).
+wheel: develop
+	rm -rf $(WHEEL_DIR)
+	$(VENV)/bin/maturin build --release --quiet --interpreter $(PY) --out $(WHEEL_DIR)
+
+python-test: develop bundles wheel
 	$(PY) -m pytest -q tests/python
 
 # The tests that ask the newest jax something the oldest could answer differently, run in
@@ -143,14 +151,12 @@ python-test: develop bundles
 # it); this way cargo has nothing to do. The bundle libraries need no Python: the same files.
 NEW_STACK_TESTS = $(sort $(wildcard $(addprefix tests/python/, test_rmsnorm.py test_flax.py \
 	test_contract.py test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py \
-	test_register_library.py test_example_bundle.py test_attributes.py \
+	test_register_library.py test_example_bundle.py test_attributes.py test_batched_op.py \
 	test_stages_and_context.py test_stateful.py test_concurrency.py test_stress_api.py test_batching.py test_*sharding*.py test_ad*.py \
 	test_*_ad.py test_*_ad_*.py test_*export*.py test_*distributed*.py)))
 
-python-test-new: $(DEPS) $(DEPS_NEW) bundles
-	rm -rf $(WHEEL_NEW)
-	$(VENV)/bin/maturin build --release --quiet --interpreter $(PY) --out $(WHEEL_NEW)
-	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_NEW)/*.whl
+python-test-new: $(DEPS) $(DEPS_NEW) bundles wheel
+	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	$(PY_NEW) -m pytest -q $(NEW_STACK_TESTS)
 
 test: $(DEPS_NEW) rust-test gpu-sanitize sanitize loom memcheck python-test python-test-new

@@ -12,12 +12,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::ffi::capsule;
-use crate::ffi::library::{self, Library, LibraryError};
-use crate::ffi::sys::{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
-use crate::ffi::DataType;
 use crate::handlers;
 use crate::handlers::contract::{self as op_contract, DtypePair};
+use xla_ffi_bundles::ffi::capsule;
+use xla_ffi_bundles::ffi::library::{self, Library, LibraryError};
+use xla_ffi_bundles::ffi::sys::{XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR};
+use xla_ffi_bundles::ffi::DataType;
 
 fn platform_error(e: handlers::HandlerError) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -126,8 +126,8 @@ fn product(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// the problem for anything else.
 #[pyfunction]
 fn load_library<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
-    let table =
-        library::load(Path::new(path), &crate::state::registry::HOOKS).map_err(library_error)?;
+    let table = library::load(Path::new(path), &xla_ffi_bundles::state::registry::HOOKS)
+        .map_err(library_error)?;
     describe(py, table)
 }
 
@@ -169,7 +169,7 @@ fn contract(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// A snapshot of the live-state registry.
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let s = crate::state::snapshot();
+    let s = xla_ffi_bundles::state::snapshot();
     let out = PyDict::new(py);
     out.set_item("live_states", s.live_states)?;
     out.set_item("created_states", s.created_states)?;
@@ -259,7 +259,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_library, m)?)?;
     m.add(
         "LIBRARY_ABI_VERSION",
-        crate::ffi::export::LIBRARY_ABI_VERSION,
+        xla_ffi_bundles::ffi::export::LIBRARY_ABI_VERSION,
     )?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add(
@@ -267,5 +267,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),
     )?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The framework's version, which libraries registered here must have been built with.
+    m.add("FRAMEWORK_VERSION", xla_ffi_bundles::VERSION)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //!
 //! For each header (`xla/ffi/api/c_api.h` under `jax.ffi.include_dir()`), compiles a C program
 //! that prints every mirrored struct's size, `*_STRUCT_SIZE`, every field's offset and size, and
-//! every enum value, and compares each number with `rmsnorm_ffi::ffi::sys`:
+//! every enum value, and compares each number with `xla_ffi_bundles::ffi::sys`:
 //!
 //! - the header of the API version the mirror was written for (0.3, jaxlib 0.10.2) must agree
 //!   on everything: a jaxlib that moves, resizes or renames anything fails here instead of
@@ -24,7 +24,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rmsnorm_ffi::ffi::sys::{self, ALL_ENUM_VALUES, ALL_STRUCTS};
+use xla_ffi_bundles::ffi::sys::{self, ALL_ENUM_VALUES, ALL_STRUCTS};
 
 /// Names the 0.5 header gives to what the 0.3 mirror names otherwise (same layout).
 const RENAMED_IN_0_5: &[(&str, &str)] = &[

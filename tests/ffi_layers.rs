@@ -93,7 +93,7 @@ fn references(source: &str, modules: &BTreeMap<String, usize>) -> Vec<String> {
 
 #[test]
 fn every_ffi_module_uses_only_lower_layers() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ffi");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/xla-ffi-bundles/src/ffi");
     let ranks = ranks(&std::fs::read_to_string(dir.join("mod.rs")).unwrap());
     assert!(
         ranks.len() >= 15,

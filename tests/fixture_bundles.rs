@@ -7,12 +7,12 @@
 #[path = "fixtures/testing_bundles/src/lib.rs"]
 mod testing;
 
-use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use rmsnorm_ffi::ffi::{DataType, ErrorCode, Stage, StateType};
-use rmsnorm_ffi::state::snapshot;
 use testing::{
     ReverseState, StagesState, CONTEXT_BUNDLE, REVERSE_BUNDLE, REVERSE_TARGET, STAGES_BUNDLE,
 };
+use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use xla_ffi_bundles::ffi::{DataType, ErrorCode, Stage, StateType};
+use xla_ffi_bundles::state::snapshot;
 
 #[test]
 fn panics_in_every_stage_become_errors() {
@@ -146,7 +146,8 @@ fn the_reverse_bundle_refuses_bad_attributes() {
 #[test]
 fn the_fixture_library_exports_its_four_bundles() {
     // The table `export_library!` builds, read as register_library reads a loaded library's.
-    let library = rmsnorm_ffi::ffi::library::read_own(testing::library_table(), "fixture").unwrap();
+    let library =
+        xla_ffi_bundles::ffi::library::read_own(testing::library_table(), "fixture").unwrap();
     let bundles: Vec<_> = library
         .bundles
         .iter()

@@ -29,9 +29,9 @@ mod scaled_copy;
 #[path = "fixtures/testing_bundles/src/lib.rs"]
 mod testing;
 
-use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use rmsnorm_ffi::ffi::sys::{XLA_FFI_DataType, XLA_FFI_ExecutionStage};
-use rmsnorm_ffi::ffi::{BundleDef, DataType, Stage};
+use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use xla_ffi_bundles::ffi::sys::{XLA_FFI_DataType, XLA_FFI_ExecutionStage};
+use xla_ffi_bundles::ffi::{BundleDef, DataType, Stage};
 
 const MAX_ELEMENTS: i64 = 4096;
 
@@ -497,7 +497,7 @@ static REFUSED: AtomicUsize = AtomicUsize::new(0);
 fn check_outcome(
     target: &str,
     stage: Stage,
-    outcome: Result<(), (rmsnorm_ffi::ffi::ErrorCode, String)>,
+    outcome: Result<(), (xla_ffi_bundles::ffi::ErrorCode, String)>,
 ) {
     match &outcome {
         Ok(()) => SUCCEEDED.fetch_add(1, Ordering::Relaxed),

@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, Once};
 
 use half::{bf16, f16};
-use rmsnorm_ffi::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use rmsnorm_ffi::ffi::{BundleDef, DataType, Stage};
 use rmsnorm_ffi::handlers::gpu::{self, kernels, resources};
 use rmsnorm_ffi::handlers::{cpu, operands::acc_dtype};
 use rmsnorm_ffi_cuda_emulator::{self as emu, Fake};
+use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use xla_ffi_bundles::ffi::{BundleDef, DataType, Stage};
 
 // ---------------------------------------------------------------------------------------------
 // Set-up
@@ -396,7 +396,7 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
         } else {
             "execute"
         };
-        let detail = rmsnorm_ffi::state::snapshot()
+        let detail = xla_ffi_bundles::state::snapshot()
             .states
             .iter()
             .rev()
@@ -1273,7 +1273,7 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
         return;
     };
     let module = resources::module_for(0).unwrap();
-    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let stream = xla_ffi_bundles::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
     let fwd =
         kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
     let fin = kernels::finalize_index(DataType::F32, DataType::F32).unwrap();
@@ -1368,7 +1368,7 @@ fn an_out_of_bounds_write_fails_the_launch() {
         return;
     };
     let module = resources::module_for(0).unwrap();
-    let stream = rmsnorm_ffi::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
+    let stream = xla_ffi_bundles::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
     let fwd =
         kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
     // Two rows of 64 into a y of one row: the second row lands in the guard zone.
@@ -1565,7 +1565,7 @@ fn devices_are_keyed_by_the_stream_not_by_xla_s_ordinal() {
         .device_ret(DataType::F32, &dims, b[4].addr())
         .device_ret(DataType::F32, &[128], b[5].addr());
     call(&ctx, &gpu::BACKWARD_BUNDLE, Stage::Initialize, frame).unwrap();
-    let details = rmsnorm_ffi::state::snapshot()
+    let details = xla_ffi_bundles::state::snapshot()
         .states
         .into_iter()
         .rev()

@@ -7,9 +7,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rmsnorm_ffi::ffi::host::{self, HostError, RegistryHooks, RegistryHost};
-use rmsnorm_ffi::state::registry::{HostRegistry, HOOKS};
-use rmsnorm_ffi::state::{snapshot, LiveState, WorkspacePool};
+use xla_ffi_bundles::ffi::host::{self, HostError, RegistryHooks, RegistryHost};
+use xla_ffi_bundles::state::registry::{HostRegistry, HOOKS};
+use xla_ffi_bundles::state::{snapshot, LiveState, WorkspacePool};
 
 static CREATED: AtomicU64 = AtomicU64::new(0);
 static EXECUTED: AtomicU64 = AtomicU64::new(0);
@@ -101,7 +101,7 @@ fn an_adopted_copy_reports_states_and_workspaces_through_the_hooks() {
 
 #[test]
 fn the_hooks_a_library_gets_register_its_states_here() {
-    use rmsnorm_ffi::ffi::host::Str;
+    use xla_ffi_bundles::ffi::host::Str;
     // A library's names are its own memory: the registry keeps copies.
     let target = String::from("hooks_test_target");
     let type_name = String::from("hooks_test.State");

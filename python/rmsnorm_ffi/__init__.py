@@ -5,12 +5,14 @@ idempotent and thread-safe), :func:`register_library` registers the bundles of a
 built on this crate, and :func:`stats` reports the live-state registry (theirs included).
 """
 
+from rmsnorm_ffi._batched import batched_ffi_op
 from rmsnorm_ffi._export import deserialize, export, export_checks
 from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference, rms_norm_residual
 from rmsnorm_ffi._registration import register, register_library, registered_libraries, registered_platforms
 from rmsnorm_ffi._stats import stats
 
 __all__ = [
+    "batched_ffi_op",
     "deserialize",
     "export",
     "export_checks",

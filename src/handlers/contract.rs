@@ -9,7 +9,7 @@
 //! `rmsnorm_ffi._native.contract()`) and the tests on both sides. A dtype or pair not listed is
 //! refused with an error naming what is accepted; nothing falls back to a neighbour.
 
-use crate::ffi::DataType;
+use xla_ffi_bundles::ffi::DataType;
 
 /// The forward target: `(x[, weight]) -> (y, rstd)`.
 pub const FORWARD_TARGET: &str = "rmsnorm_fwd";

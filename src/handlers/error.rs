@@ -1,6 +1,6 @@
 //! The handlers' error type, mapped to XLA status codes at the FFI boundary.
 
-use crate::ffi::{DataType, FfiError, Operand};
+use xla_ffi_bundles::ffi::{DataType, FfiError, Operand};
 
 /// What a handler can reject.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -22,14 +22,9 @@ pub enum HandlerError {
 impl HandlerError {
     /// A dtype error listing the accepted dtypes.
     pub fn dtype(operand: Operand, accepted: &[DataType], got: DataType) -> Self {
-        let names: Vec<&str> = accepted.iter().map(|d| d.name()).collect();
-        let expected = match names.as_slice() {
-            [one] => one.to_string(),
-            many => format!("one of {}", many.join(", ")),
-        };
         HandlerError::Dtype {
             operand,
-            expected,
+            expected: DataType::describe_accepted(accepted),
             got,
         }
     }

@@ -28,7 +28,7 @@ use std::ops::{Add, Div, Mul, Sub};
 
 use half::{bf16, f16};
 
-use crate::ffi::NativeType;
+use xla_ffi_bundles::ffi::NativeType;
 
 /// Independent partial sums per reduction (a multiple of every SIMD width used).
 pub const LANES: usize = 16;

@@ -11,9 +11,9 @@ pub use error::HandlerError;
 
 use once_cell::sync::Lazy;
 
-use crate::ffi::bundle::check_bundle;
-use crate::ffi::export::LibraryTable;
-use crate::ffi::{platform, BundleDef, StateTypeRegistration};
+use xla_ffi_bundles::ffi::bundle::check_bundle;
+use xla_ffi_bundles::ffi::export::LibraryTable;
+use xla_ffi_bundles::ffi::{platform, BundleDef, StateTypeRegistration};
 
 /// Every bundle of the extension, each registered for the platform it names: the RMS norm on
 /// the CPU and (where JAX has a CUDA backend) on NVIDIA GPUs, under the op contract's target
@@ -67,4 +67,32 @@ pub fn check_all() -> Result<(), String> {
         check_bundle(def)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::contract::TARGETS;
+
+    #[test]
+    fn registration_lists_are_consistent() {
+        super::check_all().unwrap();
+        // Every platform has every target of the contract.
+        let targets = |platform: &str| -> Vec<&str> {
+            let bundles = super::bundles(platform).unwrap();
+            bundles.iter().map(|b| b.target).collect()
+        };
+        assert_eq!(targets("cpu"), TARGETS);
+        assert_eq!(targets("cuda"), TARGETS);
+        let types = super::state_types("cpu").unwrap();
+        let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
+        names.dedup();
+        assert_eq!(names.len(), types.len());
+        let Err(err) = super::bundles("tpu") else {
+            panic!("tpu has no bundles")
+        };
+        assert_eq!(
+            err.to_string(),
+            "unsupported platform `tpu` (this build supports: cpu, cuda)"
+        );
+    }
 }

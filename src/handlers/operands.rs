@@ -5,13 +5,13 @@
 
 use super::contract::{self, DtypePair};
 use super::error::HandlerError;
-use crate::ffi::{
+use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, Platform, ResultList,
 };
 
 pub use super::contract::MAX_ROW_LEN;
 
-crate::ffi_attrs! {
+xla_ffi_bundles::ffi_attrs! {
     /// Attributes of `rmsnorm_fwd`.
     pub struct ForwardAttrs {
         /// Added to the mean square; finite and >= 0.
@@ -23,7 +23,7 @@ crate::ffi_attrs! {
     }
 }
 
-crate::ffi_attrs! {
+xla_ffi_bundles::ffi_attrs! {
     /// Attributes of `rmsnorm_bwd`.
     pub struct BackwardAttrs {
         /// Present: the call has no `rstd` operand and takes each row's `rstd` itself, from x

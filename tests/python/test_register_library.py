@@ -58,7 +58,7 @@ static const Table table = {{
     {{ {{'R','M','S','N','F','F','I',0}}, {abi_version}, sizeof(Table), "{crate_version}" }},
     0, 0, 3, bundles, 1, types, {state_count}, attach,
 }};
-const Table* rmsnorm_ffi_library(void) {{ return &table; }}
+const Table* xla_ffi_bundles_library(void) {{ return &table; }}
 """
 
 
@@ -92,19 +92,19 @@ def test_a_file_that_is_no_shared_library_is_refused(tmp_path):
 
 def test_a_library_without_the_table_is_not_a_bundle_library(tmp_path):
     lib = compile_c(tmp_path, "plain", "int answer(void) { return 42; }\n")
-    with pytest.raises(ValueError, match=r"libplain\.so is not a bundle library: it exports no `rmsnorm_ffi_library`"):
+    with pytest.raises(ValueError, match=r"libplain\.so is not a bundle library: it exports no `xla_ffi_bundles_library`"):
         rmsnorm_ffi.register_library(lib)
 
 
 def test_a_library_built_against_another_version_is_refused_naming_both(tmp_path):
     lib = table_library(tmp_path, "future", target="future_op", abi_version=999, crate_version="9.0.0")
-    ours = _native.__version__
+    ours = _native.FRAMEWORK_VERSION
     with pytest.raises(ValueError) as info:
         rmsnorm_ffi.register_library(lib)
     message = str(info.value)
-    assert f"was built against rmsnorm_ffi 9.0.0 (library table version 999)" in message
-    assert f"this rmsnorm_ffi {ours} (table version {_native.LIBRARY_ABI_VERSION}) cannot read" in message
-    assert f"rebuild the library against rmsnorm_ffi {ours}" in message
+    assert f"was built against xla-ffi-bundles 9.0.0 (library table version 999)" in message
+    assert f"this xla-ffi-bundles {ours} (table version {_native.LIBRARY_ABI_VERSION}) cannot read" in message
+    assert f"rebuild the library against xla-ffi-bundles {ours}" in message
 
 
 def test_a_target_of_the_extension_cannot_be_taken(tmp_path):

@@ -1,6 +1,6 @@
 // A CUDA bundle that views its argument as a host slice: `as_slice` exists only for host
 // buffers, so this must not compile.
-use rmsnorm_ffi::ffi::{
+use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, Bundle, BundleDef, Context, Cuda, Execute, FfiResult, NoState,
 };
 

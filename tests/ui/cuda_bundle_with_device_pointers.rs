@@ -1,6 +1,6 @@
 // The reference case: a CUDA bundle that passes device addresses on. It must compile, so that
 // the two compile-fail cases beside it fail for the one line each changes.
-use rmsnorm_ffi::ffi::{
+use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, Bundle, BundleDef, Context, Cuda, Execute, FfiResult, NoState,
 };
 

@@ -1,6 +1,6 @@
 // A CUDA bundle that asks for a typed host slice of an argument: device memory is not host
 // memory, so `Buffer` is no argument type for it and this must not compile.
-use rmsnorm_ffi::ffi::{
+use xla_ffi_bundles::ffi::{
     AnyResult, Buffer, Bundle, BundleDef, Context, Cuda, Execute, FfiResult, NoState,
 };
 

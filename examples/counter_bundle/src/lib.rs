@@ -9,7 +9,7 @@
 //! calls the deleter, which drops it.
 //!
 //! The library exports one C symbol, its table of bundles and state types
-//! (`rmsnorm_ffi::export_library!`); `rmsnorm_ffi.register_library(path)` reads it and
+//! (`xla_ffi_bundles::export_library!`); `rmsnorm_ffi.register_library(path)` reads it and
 //! registers everything in it (`counter.py` next to this crate). The state's `LiveState`
 //! reports into the registry of the `rmsnorm_ffi` extension that registered the library, so
 //! `rmsnorm_ffi.stats()` counts these states and executions too.
@@ -17,17 +17,17 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use rmsnorm_ffi::ffi::{
+use xla_ffi_bundles::ffi::{
     Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, Instantiate, ResultBuffer,
 };
-use rmsnorm_ffi::state::LiveState;
+use xla_ffi_bundles::state::LiveState;
 
 /// The custom-call target name (namespaced: target names are process-wide).
 pub const TARGET: &str = "counter_bundle_counter";
 /// The state type's name in XLA's process-wide registry (namespaced likewise).
 pub const STATE_TYPE: &str = "counter_bundle.CounterState";
 
-rmsnorm_ffi::ffi_attrs! {
+xla_ffi_bundles::ffi_attrs! {
     /// The attributes of `counter`, seen by every stage.
     pub struct CounterAttrs {
         /// The value of the first call.
@@ -46,7 +46,7 @@ pub struct CounterState {
     /// Executions so far. Atomic: concurrent executions share the state.
     calls: AtomicI64,
 }
-rmsnorm_ffi::state_type!(CounterState, STATE_TYPE);
+xla_ffi_bundles::state_type!(CounterState, STATE_TYPE);
 
 /// The bundle type.
 pub struct Counter;
@@ -108,4 +108,4 @@ impl Execute for Counter {
 pub const COUNTER: BundleDef = BundleDef::of::<Counter>().instantiate().execute().build();
 
 // The library's one exported symbol: its table (here of one bundle; list them all).
-rmsnorm_ffi::export_library!(COUNTER);
+xla_ffi_bundles::export_library!(COUNTER);

@@ -13,12 +13,11 @@
 
 use half::{bf16, f16};
 
-use rmsnorm_ffi::ffi::{
-    AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiResult, Host,
+use xla_ffi_bundles::ffi::{
+    AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Host,
     Instantiate, NativeType, Operand,
 };
-use rmsnorm_ffi::handlers::HandlerError;
-use rmsnorm_ffi::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
+use xla_ffi_bundles::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
 
 /// The target name.
 pub const TARGET: &str = "scaled_copy";
@@ -26,7 +25,7 @@ pub const TARGET: &str = "scaled_copy";
 pub const MAX_ROW_LEN: i64 = 1 << 24;
 const DTYPES: [DataType; 3] = [DataType::F32, DataType::BF16, DataType::F16];
 
-rmsnorm_ffi::ffi_attrs! {
+xla_ffi_bundles::ffi_attrs! {
     /// Attributes of `scaled_copy`.
     pub struct ScaledCopyAttrs {
         /// The factor; finite.
@@ -42,7 +41,7 @@ pub struct ScaledCopyState {
     table: Vec<f32>,
     rows: WorkspacePool<f32>,
 }
-rmsnorm_ffi::state_type!(ScaledCopyState, "scaled_copy.ScaledCopyState");
+xla_ffi_bundles::state_type!(ScaledCopyState, "scaled_copy.ScaledCopyState");
 
 /// The bundle type.
 pub struct ScaledCopy;
@@ -58,18 +57,16 @@ impl Instantiate for ScaledCopy {
 
     fn instantiate(_ctx: &Context<'_>, attrs: ScaledCopyAttrs) -> FfiResult<ScaledCopyState> {
         if !attrs.scale.is_finite() {
-            return Err(HandlerError::attribute(
+            return Err(FfiError::attribute(
                 "scale",
                 format!("must be finite, got {}", attrs.scale),
-            )
-            .into());
+            ));
         }
         if !(1..=MAX_ROW_LEN).contains(&attrs.row_len) {
-            return Err(HandlerError::attribute(
+            return Err(FfiError::attribute(
                 "row_len",
                 format!("must be in 1..={MAX_ROW_LEN}, got {}", attrs.row_len),
-            )
-            .into());
+            ));
         }
         let n = attrs.row_len as usize;
         let table = (0..n).map(|j| attrs.scale / (j as f32 + 1.0)).collect();
@@ -101,45 +98,35 @@ impl Execute for ScaledCopy {
                 scale_via_workspace::<bf16>(state, x.as_slice()?, y.into_mut_slice()?)
             }
             DataType::F16 => scale_via_workspace::<f16>(state, x.as_slice()?, y.into_mut_slice()?),
-            other => return Err(HandlerError::dtype(x.operand(), &DTYPES, other).into()),
+            other => return Err(x.operand().wrong_dtype(&DTYPES, other)),
         }
         Ok(())
     }
 }
 
-fn check_operands(
-    state: &ScaledCopyState,
-    x: &AnyBuffer<'_>,
-    y: &AnyResult<'_>,
-) -> Result<(), HandlerError> {
+fn check_operands(state: &ScaledCopyState, x: &AnyBuffer<'_>, y: &AnyResult<'_>) -> FfiResult<()> {
     if !DTYPES.contains(&x.dtype()) {
-        return Err(HandlerError::dtype(x.operand(), &DTYPES, x.dtype()));
+        return Err(x.operand().wrong_dtype(&DTYPES, x.dtype()));
     }
     if y.dtype() != x.dtype() {
-        return Err(HandlerError::dtype(
-            Operand::Result(0),
-            &[x.dtype()],
-            y.dtype(),
-        ));
+        return Err(Operand::Result(0).wrong_dtype(&[x.dtype()], y.dtype()));
     }
     if y.dims() != x.dims() {
-        return Err(HandlerError::shape(
-            Operand::Result(0),
-            format!(
-                "expected {:?} like argument 0, got {:?}",
-                x.dims(),
-                y.dims()
-            ),
-        ));
+        return Err(Operand::Result(0).wrong_shape(format!(
+            "expected {:?} like argument 0, got {:?}",
+            x.dims(),
+            y.dims()
+        )));
     }
     let row_len = state.table.len() as i64;
     match x.dims().last() {
         Some(&n) if n == row_len => Ok(()),
-        Some(&n) => Err(HandlerError::shape(
-            x.operand(),
-            format!("last axis has {n} elements but the call site was instantiated for row_len={row_len}"),
-        )),
-        None => Err(HandlerError::shape(x.operand(), "a scalar has no rows; expected rank >= 1")),
+        Some(&n) => Err(x.operand().wrong_shape(format!(
+            "last axis has {n} elements but the call site was instantiated for row_len={row_len}"
+        ))),
+        None => Err(x
+            .operand()
+            .wrong_shape("a scalar has no rows; expected rank >= 1")),
     }
 }
 
@@ -194,4 +181,4 @@ pub const BUNDLE: BundleDef = BundleDef::of::<ScaledCopy>()
     .build();
 
 // The library's one exported symbol: its table.
-rmsnorm_ffi::export_library!(BUNDLE);
+xla_ffi_bundles::export_library!(BUNDLE);

@@ -28,14 +28,14 @@ use super::operands::{
     BackwardOperands, ForwardOperands, Layout, ResidualOperands,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
-use crate::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
-use crate::ffi::{
+use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
+use simd::Kernel;
+use xla_ffi_bundles::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
+use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host,
     Instantiate, ResultList,
 };
-use crate::state::{LiveState, WorkspacePool};
-use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
-use simd::Kernel;
+use xla_ffi_bundles::state::{LiveState, WorkspacePool};
 
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
@@ -56,7 +56,7 @@ pub struct ForwardState {
     row_len: usize,
     jobs: ParallelJobs,
 }
-crate::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
+xla_ffi_bundles::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
 
 /// Per-call-site state of `rmsnorm_bwd`.
 pub struct BackwardState {
@@ -73,7 +73,7 @@ pub struct BackwardState {
     partials_f32: WorkspacePool<f64>,
     partials_f64: WorkspacePool<Compensated>,
 }
-crate::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
+xla_ffi_bundles::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 
 pub struct Forward;
 impl Bundle for Forward {

@@ -3,7 +3,7 @@
 //! The cut depends only on the shape, never on the number of threads, so every reduction over
 //! chunks (the weight gradient) adds the same numbers in the same order on every run.
 
-use crate::ffi::parallel::MAX_CHUNKS;
+use xla_ffi_bundles::ffi::parallel::MAX_CHUNKS;
 
 /// Elements per chunk the forward pass aims for: enough work to pay for a hand-off, and enough
 /// rows for the software-pipelined loops (16 rows of 4096 measured better than 4).

@@ -5,9 +5,9 @@ use half::{bf16, f16};
 
 use super::simd::Kernel;
 use super::*;
-use crate::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
-use crate::ffi::{DataType, NativeType, Stage};
 use crate::handlers::math;
+use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
+use xla_ffi_bundles::ffi::{DataType, NativeType, Stage};
 
 /// Deterministic pseudo-random values in [-2, 2).
 fn values(count: usize, seed: u64) -> Vec<f32> {
@@ -469,7 +469,7 @@ fn execute_checks_buffers_against_the_attributes() {
     .unwrap();
     let call = |x: OwnedBuffer, w: OwnedBuffer, rstd: OwnedBuffer| {
         let dims = x.dims.clone();
-        let dtype = crate::ffi::DataType::from_raw(x.dtype);
+        let dtype = xla_ffi_bundles::ffi::DataType::from_raw(x.dtype);
         FrameBuilder::new(Stage::Execute)
             .arg(x)
             .arg(w)

@@ -9,8 +9,8 @@ use once_cell::sync::{Lazy, OnceCell};
 use parking_lot::Mutex;
 
 use super::driver::{self, Compiled, GpuError, GpuResult, KernelSignature, Param};
-use crate::ffi::DataType;
 use crate::handlers::contract::DtypePair;
+use xla_ffi_bundles::ffi::DataType;
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("rmsnorm.cu");

@@ -31,14 +31,14 @@ use super::operands::{
     backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
     BackwardAttrs, BackwardOperands, ForwardAttrs, ForwardOperands, Layout, ResidualOperands,
 };
-use crate::ffi::{
-    AnyBuffer, ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult,
-    Initialize, Instantiate, ResultList, Stage, Traits,
-};
-use crate::state::LiveState;
 use driver::{GpuError, LaunchConfig};
 use kernels::Direction;
 use resources::DeviceSlots;
+use xla_ffi_bundles::ffi::{
+    AnyBuffer, ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult,
+    Initialize, Instantiate, ResultList, Stage, Traits,
+};
+use xla_ffi_bundles::state::LiveState;
 
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 
@@ -83,7 +83,7 @@ pub struct GpuForwardState {
     row_len: usize,
     devices: DeviceSlots,
 }
-crate::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardState");
+xla_ffi_bundles::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardState");
 
 /// Per-call-site state of the GPU `rmsnorm_bwd`.
 pub struct GpuBackwardState {
@@ -92,7 +92,7 @@ pub struct GpuBackwardState {
     row_len: usize,
     devices: DeviceSlots,
 }
-crate::state_type!(GpuBackwardState, "rmsnorm_ffi.RmsNormGpuBackwardState");
+xla_ffi_bundles::state_type!(GpuBackwardState, "rmsnorm_ffi.RmsNormGpuBackwardState");
 
 pub struct GpuForward;
 impl Bundle for GpuForward {

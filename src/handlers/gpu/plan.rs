@@ -3,8 +3,8 @@
 //! CPU; the emulated matrix (tests/gpu_emulated.rs) runs every plan on the kernels.
 
 use super::kernels::{size_of, wide_size_of, Direction};
-use crate::ffi::DataType;
 use crate::handlers::operands::acc_dtype;
+use xla_ffi_bundles::ffi::DataType;
 
 /// Elements per vector access: 16 bytes, or 1 on the scalar path.
 pub fn vec_width(x: DataType, vectorized: bool) -> usize {

@@ -19,8 +19,8 @@ use once_cell::sync::{Lazy, OnceCell};
 
 use super::driver::{self, CaptureStatus, DeviceAllocation, Module, StreamDevice};
 use super::kernels;
-use crate::ffi::{FfiError, FfiResult, Stage, Stream};
-use crate::state::LiveState;
+use xla_ffi_bundles::ffi::{FfiError, FfiResult, Stage, Stream};
+use xla_ffi_bundles::state::LiveState;
 
 type Cell<T> = Arc<OnceCell<T>>;
 

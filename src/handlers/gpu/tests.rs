@@ -3,8 +3,8 @@
 
 use super::driver::{Cuda, GpuError, Nvrtc, Search};
 use super::*;
-use crate::ffi::fake::{self, FakeContext, OwnedAttr};
-use crate::ffi::{ErrorCode, Stage};
+use xla_ffi_bundles::ffi::fake::{self, FakeContext, OwnedAttr};
+use xla_ffi_bundles::ffi::{ErrorCode, Stage};
 
 fn register() {
     fake::register_bundle_types(&[FORWARD_BUNDLE, BACKWARD_BUNDLE, RESIDUAL_BUNDLE]);

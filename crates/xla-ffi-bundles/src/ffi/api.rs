@@ -1,7 +1,7 @@
 //! A checked handle on the `XLA_FFI_Api` function table.
 //!
 //! The table may come from a runtime older (smaller) or newer (larger) than this mirror. Every
-//! function is looked up through [`api_fn!`], which first checks that the table's `struct_size`
+//! function is looked up through `api_fn!`, which first checks that the table's `struct_size`
 //! covers the field, and that the pointer is set, so an old runtime gives an error naming the
 //! missing function instead of a jump through garbage.
 
@@ -66,6 +66,7 @@ impl<'a> Api<'a> {
         })
     }
 
+    /// The raw table pointer.
     pub fn as_ptr(&self) -> *const sys::XLA_FFI_Api {
         self.raw.as_ptr()
     }

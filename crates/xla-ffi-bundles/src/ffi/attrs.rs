@@ -3,7 +3,7 @@
 //! XLA passes each attribute as a tagged pointer: a scalar (`XLA_FFI_Scalar*`), a dense array
 //! (`XLA_FFI_Array*`), a string (`XLA_FFI_ByteSpan*`) or a dictionary (a nested
 //! `XLA_FFI_Attrs*`). [`Attrs`] validates the list; [`AttrValue`] is one decoded value;
-//! [`FromAttr`] turns a value into a Rust type with an exact dtype match; and [`ffi_attrs!`]
+//! [`FromAttr`] turns a value into a Rust type with an exact dtype match; and [`crate::ffi_attrs!`]
 //! declares a struct that decodes a whole attribute list by name, reporting every missing,
 //! mistyped and unexpected attribute at once.
 
@@ -27,28 +27,44 @@ pub struct Attrs<'a> {
 /// One attribute value.
 #[derive(Clone, Copy)]
 pub enum AttrValue<'a> {
+    /// A scalar of one of XLA's dtypes.
     Scalar(Scalar),
+    /// A dense array of one dtype.
     Array(ArrayAttr<'a>),
     /// Bytes as XLA passed them; [`FromAttr`] for `&str` checks UTF-8.
     String(&'a [u8]),
+    /// A nested attribute list.
     Dictionary(Attrs<'a>),
 }
 
 /// A scalar attribute.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Scalar {
+    /// A boolean (PRED).
     Pred(bool),
+    /// A signed 8-bit integer (S8).
     S8(i8),
+    /// A signed 16-bit integer (S16).
     S16(i16),
+    /// A signed 32-bit integer (S32).
     S32(i32),
+    /// A signed 64-bit integer (S64).
     S64(i64),
+    /// An unsigned 8-bit integer (U8).
     U8(u8),
+    /// An unsigned 16-bit integer (U16).
     U16(u16),
+    /// An unsigned 32-bit integer (U32).
     U32(u32),
+    /// An unsigned 64-bit integer (U64).
     U64(u64),
+    /// A 16-bit IEEE float (F16).
     F16(f16),
+    /// A bfloat16 (BF16).
     BF16(bf16),
+    /// A 32-bit IEEE float (F32).
     F32(f32),
+    /// A 64-bit IEEE float (F64).
     F64(f64),
     /// A scalar of a dtype this layer does not read.
     Other(DataType),
@@ -93,10 +109,12 @@ impl<'a> Attrs<'a> {
         Ok(Attrs { raw: attrs })
     }
 
+    /// The number of attributes.
     pub fn len(&self) -> usize {
         self.raw.size as usize
     }
 
+    /// Whether the list has no attributes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -261,14 +279,17 @@ impl<'a> ArrayAttr<'a> {
         })
     }
 
+    /// The dtype of the elements.
     pub fn dtype(&self) -> DataType {
         self.dtype
     }
 
+    /// The number of elements.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the array has no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -324,6 +345,7 @@ impl fmt::Debug for Attrs<'_> {
 pub trait FromAttr<'a>: Sized {
     /// What is expected, for messages ("F32 scalar").
     fn expected() -> String;
+    /// The value as `Self`, or `None` if its kind or dtype is not the expected one.
     fn from_attr(value: AttrValue<'a>) -> Option<Self>;
     /// The value to use when the attribute is absent; `None` makes it required.
     fn when_missing() -> Option<Self> {
@@ -484,6 +506,8 @@ pub fn reject_unknown(attrs: Attrs<'_>, known: &[&str], errors: &mut DecodeError
 
 /// Decoding of a handler's whole attribute list.
 pub trait DecodeAttrs<'a>: Sized {
+    /// Decodes the list, recording every problem in `errors` (any recorded problem fails
+    /// the call, even if a value is returned).
     fn decode(attrs: Attrs<'a>, errors: &mut DecodeErrors) -> Option<Self>;
 }
 
@@ -506,7 +530,7 @@ impl<'a> DecodeAttrs<'a> for () {
 /// known, every non-`Option` field present, every dtype exact; all failures are reported together.
 ///
 /// ```
-/// rmsnorm_ffi::ffi_attrs! {
+/// xla_ffi_bundles::ffi_attrs! {
 ///     /// Attributes of an example op.
 ///     pub struct ExampleAttrs {
 ///         pub scale: f32,

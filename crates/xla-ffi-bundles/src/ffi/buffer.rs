@@ -19,7 +19,7 @@ use std::mem::{align_of, size_of};
 use std::ptr::{self, NonNull};
 
 use super::dtype::{DataType, NativeType};
-use super::error::DecodeErrors;
+use super::error::{DecodeErrors, FfiError};
 #[cfg(doc)]
 use super::platform::Cuda;
 use super::platform::{Device, Host, Platform};
@@ -33,7 +33,9 @@ pub const MAX_OPERANDS: i64 = 1 << 16;
 /// Whether a buffer is an argument or a result, and its index: used in every message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operand {
+    /// The argument at this index.
     Argument(usize),
+    /// The result at this index.
     Result(usize),
 }
 
@@ -43,6 +45,22 @@ impl fmt::Display for Operand {
             Operand::Argument(i) => write!(f, "argument {i}"),
             Operand::Result(i) => write!(f, "result {i}"),
         }
+    }
+}
+
+impl Operand {
+    /// An invalid-argument error for this operand's dtype `got` where one of `accepted` was
+    /// expected: "wrong dtype for argument 0: expected one of F32, BF16, got F64".
+    pub fn wrong_dtype(self, accepted: &[DataType], got: DataType) -> FfiError {
+        let expected = DataType::describe_accepted(accepted);
+        FfiError::InvalidArgument(format!(
+            "wrong dtype for {self}: expected {expected}, got {got}"
+        ))
+    }
+
+    /// An invalid-argument error for this operand's shape: "wrong shape for result 0: ...".
+    pub fn wrong_shape(self, problem: impl fmt::Display) -> FfiError {
+        FfiError::InvalidArgument(format!("wrong shape for {self}: {problem}"))
     }
 }
 
@@ -157,26 +175,32 @@ impl<'a, P: Platform> AnyBuffer<'a, P> {
         })
     }
 
+    /// The dtype of the elements.
     pub fn dtype(&self) -> DataType {
         self.dtype
     }
 
+    /// The dimensions (empty for a scalar).
     pub fn dims(&self) -> &'a [i64] {
         self.dims
     }
 
+    /// The number of dimensions.
     pub fn rank(&self) -> usize {
         self.dims.len()
     }
 
+    /// The number of elements: the product of the dimensions.
     pub fn element_count(&self) -> usize {
         self.element_count
     }
 
+    /// The size of the data in bytes (sub-byte dtypes rounded up).
     pub fn byte_size(&self) -> usize {
         self.byte_size
     }
 
+    /// Which argument or result this is, for messages.
     pub fn operand(&self) -> Operand {
         self.operand
     }
@@ -266,18 +290,22 @@ impl<P: Platform> fmt::Debug for AnyResult<'_, P> {
 }
 
 impl<'a, P: Platform> AnyResult<'a, P> {
+    /// The dtype of the elements.
     pub fn dtype(&self) -> DataType {
         self.buffer.dtype
     }
 
+    /// The dimensions (empty for a scalar).
     pub fn dims(&self) -> &'a [i64] {
         self.buffer.dims
     }
 
+    /// The number of elements: the product of the dimensions.
     pub fn element_count(&self) -> usize {
         self.buffer.element_count
     }
 
+    /// Which result this is, for messages.
     pub fn operand(&self) -> Operand {
         self.buffer.operand
     }
@@ -314,14 +342,18 @@ impl<'a> AnyResult<'a, Host> {
 /// An argument of the fixed dtype `T`, viewed in host memory (host bundles only).
 #[derive(Debug, Clone, Copy)]
 pub struct Buffer<'a, T: NativeType> {
+    /// The elements, read-only.
     pub data: &'a [T],
+    /// The dimensions.
     pub dims: &'a [i64],
 }
 
 /// A result of the fixed dtype `T`, viewed in host memory (host bundles only).
 #[derive(Debug)]
 pub struct ResultBuffer<'a, T: NativeType> {
+    /// The elements, writable.
     pub data: &'a mut [T],
+    /// The dimensions.
     pub dims: &'a [i64],
 }
 
@@ -387,10 +419,12 @@ impl<'a, P: Platform> ArgsView<'a, P> {
         })
     }
 
+    /// The number of arguments.
     pub fn len(&self) -> usize {
         self.raw.size as usize
     }
 
+    /// Whether the call has no arguments.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -431,10 +465,12 @@ impl<'a, P: Platform> RetsView<'a, P> {
         Ok(RetsView { raw, args })
     }
 
+    /// The number of results.
     pub fn len(&self) -> usize {
         self.raw.size as usize
     }
 
+    /// Whether the call has no results.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -504,6 +540,7 @@ impl<'a, P: Platform> RetsView<'a, P> {
 pub trait FromArg<'a, P: Platform>: Sized {
     /// What the signature expects, for messages ("F32 buffer").
     fn expected() -> String;
+    /// The argument as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
     fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String>;
 }
 
@@ -537,6 +574,7 @@ impl<'a, T: NativeType> FromArg<'a, Host> for Buffer<'a, T> {
             `device_ptr()` to the device"
 )]
 pub trait FromRet<'a, P: Platform>: Sized {
+    /// The result as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
     fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String>;
 }
 
@@ -559,11 +597,13 @@ impl<'a, T: NativeType> FromRet<'a, Host> for ResultBuffer<'a, T> {
 /// Decoding of a handler's whole argument list: tuples of [`FromArg`] types, or [`ArgsView`]
 /// itself for handlers that take a variable number of arguments.
 pub trait DecodeArgs<'a, P: Platform>: Sized {
+    /// Decodes the list, recording every problem in `errors`; `None` if any argument failed.
     fn decode(args: ArgsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self>;
 }
 
 /// Decoding of a handler's whole result list: tuples of [`FromRet`] types.
 pub trait DecodeRets<'a, P: Platform>: Sized {
+    /// Decodes the list, recording every problem in `errors`; `None` if any result failed.
     fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self>;
 }
 
@@ -634,14 +674,17 @@ pub struct ResultList<'a, P: Platform = Host> {
 pub const RESULT_LIST_MAX: usize = 8;
 
 impl<P: Platform> ResultList<'_, P> {
+    /// The most results a list holds: [`RESULT_LIST_MAX`].
     pub const MAX: usize = RESULT_LIST_MAX;
 }
 
 impl<'a, P: Platform> ResultList<'a, P> {
+    /// The number of results of the call, taken or not.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the call has no results.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

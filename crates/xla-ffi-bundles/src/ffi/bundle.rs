@@ -58,6 +58,7 @@ impl BundleState for NoState {
 pub struct Traits(pub sys::XLA_FFI_Handler_Traits);
 
 impl Traits {
+    /// No traits.
     pub const NONE: Traits = Traits(0);
     /// The execute stage only enqueues the same device work on every call (may be captured
     /// into a CUDA graph and replayed).
@@ -69,6 +70,7 @@ impl Traits {
 pub trait Bundle: Sized + 'static {
     /// The custom-call target name.
     const TARGET: &'static str;
+    /// The handler traits XLA is told of; none by default.
     const TRAITS: Traits = Traits::NONE;
     /// Where it runs: [`super::platform::Host`] (XLA:CPU; buffers are host memory and may be
     /// viewed as slices) or [`super::platform::Cuda`] (buffers are device addresses). It is
@@ -80,13 +82,17 @@ pub trait Bundle: Sized + 'static {
 
 /// The instantiate stage: once per call site per executable, attributes and context only.
 pub trait Instantiate: Bundle {
+    /// The attributes this stage decodes (`()` ignores them).
     type Attrs<'a>: DecodeAttrs<'a>;
+    /// Makes the call site's state, which is then handed to XLA to keep.
     fn instantiate(ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<Self::State>;
 }
 
 /// The prepare stage: before each execution, to request resources.
 pub trait Prepare: Bundle {
+    /// The attributes this stage decodes (`()` ignores them).
     type Attrs<'a>: DecodeAttrs<'a>;
+    /// Runs before each execution with the call site's state, e.g. to request resources.
     fn prepare(state: &Self::State, ctx: &Context<'_>, attrs: Self::Attrs<'_>) -> FfiResult<()>;
 }
 
@@ -94,9 +100,13 @@ pub trait Prepare: Bundle {
 /// the call's buffers (shapes and dtypes are real; under command buffers the contents may not
 /// be), so a stage can size per-device resources from them.
 pub trait Initialize: Bundle {
+    /// The arguments this stage decodes.
     type Args<'a>: DecodeArgs<'a, Self::Platform>;
+    /// The results this stage decodes.
     type Rets<'a>: DecodeRets<'a, Self::Platform>;
+    /// The attributes this stage decodes (`()` ignores them).
     type Attrs<'a>: DecodeAttrs<'a>;
+    /// Runs before each execution with the state and the call's buffers.
     fn initialize(
         state: &Self::State,
         ctx: &Context<'_>,
@@ -108,9 +118,13 @@ pub trait Initialize: Bundle {
 
 /// The execute stage: every call, possibly on many threads at once with the same state.
 pub trait Execute: Bundle {
+    /// The arguments this stage decodes.
     type Args<'a>: DecodeArgs<'a, Self::Platform>;
+    /// The results this stage decodes.
     type Rets<'a>: DecodeRets<'a, Self::Platform>;
+    /// The attributes this stage decodes (`()` ignores them).
     type Attrs<'a>: DecodeAttrs<'a>;
+    /// Runs the operation: reads the arguments and writes the results.
     fn execute(
         state: &Self::State,
         ctx: &Context<'_>,
@@ -193,12 +207,15 @@ unsafe extern "C" fn execute_entry<B: Execute>(
 /// A bundle ready to register: its target, platform, traits, state type and stage handlers.
 #[derive(Clone, Copy)]
 pub struct BundleDef {
+    /// The custom-call target name.
     pub target: &'static str,
     /// The platform name JAX registers it for ("cpu", "cuda").
     pub platform: &'static str,
+    /// The handler traits XLA is told of.
     pub traits: Traits,
     /// The state type, which must be registered with XLA before the bundle.
     pub state: fn() -> Option<&'static StateTypeRegistration>,
+    /// The stage entries XLA calls; a stage the bundle does not have is `None`.
     pub handlers: sys::XLA_FFI_Handler_Bundle,
 }
 
@@ -249,6 +266,7 @@ impl<B: Instantiate> BundleBuilder<B>
 where
     B::State: StateType,
 {
+    /// Adds the instantiate stage.
     pub const fn instantiate(mut self) -> Self {
         self.handlers.instantiate = Some(instantiate_entry::<B>);
         self
@@ -256,6 +274,7 @@ where
 }
 
 impl<B: Prepare> BundleBuilder<B> {
+    /// Adds the prepare stage.
     pub const fn prepare(mut self) -> Self {
         self.handlers.prepare = Some(prepare_entry::<B>);
         self
@@ -263,6 +282,7 @@ impl<B: Prepare> BundleBuilder<B> {
 }
 
 impl<B: Initialize> BundleBuilder<B> {
+    /// Adds the initialize stage.
     pub const fn initialize(mut self) -> Self {
         self.handlers.initialize = Some(initialize_entry::<B>);
         self
@@ -270,6 +290,7 @@ impl<B: Initialize> BundleBuilder<B> {
 }
 
 impl<B: Execute> BundleBuilder<B> {
+    /// Adds the execute stage.
     pub const fn execute(mut self) -> Self {
         self.handlers.execute = Some(execute_entry::<B>);
         self
@@ -310,7 +331,7 @@ pub fn check_bundle(def: &BundleDef) -> Result<(), String> {
 ///
 /// ```text
 /// struct MyState { table: Vec<f32> }
-/// rmsnorm_ffi::state_type!(MyState, "my_crate.MyState");
+/// xla_ffi_bundles::state_type!(MyState, "my_crate.MyState");
 /// ```
 #[macro_export]
 macro_rules! state_type {

@@ -24,6 +24,7 @@ impl Stream {
         Stream(raw)
     }
 
+    /// The raw stream handle, e.g. for a kernel launch.
     pub fn as_raw(&self) -> *mut c_void {
         self.0
     }
@@ -42,10 +43,12 @@ impl<'a> Context<'a> {
         Context { api, ctx, stage }
     }
 
+    /// The stage this call runs.
     pub fn stage(&self) -> Stage {
         self.stage
     }
 
+    /// The API table this call came with.
     pub fn api(&self) -> Api<'a> {
         self.api
     }
@@ -259,6 +262,7 @@ impl DeviceMemory<'_> {
         self.data
     }
 
+    /// The size of the allocation in bytes.
     pub fn size(&self) -> usize {
         self.size
     }

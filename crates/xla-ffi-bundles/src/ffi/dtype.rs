@@ -10,38 +10,72 @@ use super::sys::XLA_FFI_DataType as Raw;
 /// buffer of a newer dtype gives a clear error instead of undefined behaviour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DataType {
+    /// XLA's invalid type (no element size; never a valid buffer).
     Invalid,
+    /// Boolean (PRED), one byte per element.
     Pred,
+    /// 1-bit signed integer (S1).
     S1,
+    /// 2-bit signed integer (S2).
     S2,
+    /// 4-bit signed integer (S4).
     S4,
+    /// 8-bit signed integer (S8).
     S8,
+    /// 16-bit signed integer (S16).
     S16,
+    /// 32-bit signed integer (S32).
     S32,
+    /// 64-bit signed integer (S64).
     S64,
+    /// 1-bit unsigned integer (U1).
     U1,
+    /// 2-bit unsigned integer (U2).
     U2,
+    /// 4-bit unsigned integer (U4).
     U4,
+    /// 8-bit unsigned integer (U8).
     U8,
+    /// 16-bit unsigned integer (U16).
     U16,
+    /// 32-bit unsigned integer (U32).
     U32,
+    /// 64-bit unsigned integer (U64).
     U64,
+    /// 16-bit IEEE float (F16).
     F16,
+    /// 32-bit IEEE float (F32).
     F32,
+    /// 64-bit IEEE float (F64).
     F64,
+    /// 16-bit bfloat16 (BF16).
     BF16,
+    /// 64-bit complex: two F32s (C64).
     C64,
+    /// 128-bit complex: two F64s (C128).
     C128,
+    /// XLA's token, which orders side effects and holds no data (TOKEN).
     Token,
+    /// 8-bit float with 5 exponent and 2 mantissa bits, IEEE-like (F8E5M2).
     F8E5M2,
+    /// 8-bit float with 3 exponent and 4 mantissa bits, IEEE-like (F8E3M4).
     F8E3M4,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, IEEE-like (F8E4M3).
     F8E4M3,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, finite only: no infinities (F8E4M3FN).
     F8E4M3FN,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, exponent bias 11, finite, no negative
+    /// zero (F8E4M3B11FNUZ).
     F8E4M3B11FNUZ,
+    /// 8-bit float with 5 exponent and 2 mantissa bits, finite, no negative zero (F8E5M2FNUZ).
     F8E5M2FNUZ,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, finite, no negative zero (F8E4M3FNUZ).
     F8E4M3FNUZ,
+    /// 4-bit float with 2 exponent bits and 1 mantissa bit, finite only (F4E2M1FN).
     F4E2M1FN,
+    /// 8-bit exponent-only float (a power-of-two scale), unsigned and finite (F8E8M0FNU).
     F8E8M0FNU,
+    /// A dtype this crate does not know, with its C value.
     Other(i32),
 }
 
@@ -125,6 +159,15 @@ impl DataType {
         let bits = self.bit_width()?;
         count.checked_mul(bits)?.checked_add(7).map(|b| b / 8)
     }
+
+    /// The accepted dtypes as an error message names them: "F32", or "one of F32, BF16".
+    pub fn describe_accepted(accepted: &[DataType]) -> String {
+        let names: Vec<&str> = accepted.iter().map(|d| d.name()).collect();
+        match names.as_slice() {
+            [one] => one.to_string(),
+            many => format!("one of {}", many.join(", ")),
+        }
+    }
 }
 
 impl fmt::Display for DataType {
@@ -141,6 +184,7 @@ impl fmt::Display for DataType {
 /// Implemented only for plain-old-data types for which every bit pattern is a valid value, so a
 /// typed view of any buffer of the right dtype is sound.
 pub trait NativeType: Copy + Send + Sync + 'static + private::Sealed {
+    /// The dtype of this Rust type's values.
     const DTYPE: DataType;
 }
 

@@ -11,21 +11,37 @@ use super::sys;
 /// The status codes XLA knows (absl's), without `OK`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
+    /// absl's CANCELLED: the operation was cancelled.
     Cancelled,
+    /// absl's UNKNOWN: an unknown error (also any C code this crate does not know).
     Unknown,
+    /// absl's INVALID_ARGUMENT: the caller passed an invalid argument.
     InvalidArgument,
+    /// absl's DEADLINE_EXCEEDED: the deadline passed before the operation finished.
     DeadlineExceeded,
+    /// absl's NOT_FOUND: something requested was not found.
     NotFound,
+    /// absl's ALREADY_EXISTS: what was to be created exists already.
     AlreadyExists,
+    /// absl's PERMISSION_DENIED: the caller may not do this.
     PermissionDenied,
+    /// absl's RESOURCE_EXHAUSTED: a resource (memory, a quota) ran out.
     ResourceExhausted,
+    /// absl's FAILED_PRECONDITION: the system is not in the state the operation needs.
     FailedPrecondition,
+    /// absl's ABORTED: the operation was aborted, e.g. by a concurrency conflict.
     Aborted,
+    /// absl's OUT_OF_RANGE: the operation went past the valid range.
     OutOfRange,
+    /// absl's UNIMPLEMENTED: the operation is not implemented or not supported.
     Unimplemented,
+    /// absl's INTERNAL: an internal invariant was broken.
     Internal,
+    /// absl's UNAVAILABLE: the service is unavailable, usually for a while.
     Unavailable,
+    /// absl's DATA_LOSS: unrecoverable data loss or corruption.
     DataLoss,
+    /// absl's UNAUTHENTICATED: the caller has no valid credentials.
     Unauthenticated,
 }
 
@@ -84,6 +100,7 @@ pub struct DecodeErrors {
 }
 
 impl DecodeErrors {
+    /// No failures yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -93,10 +110,12 @@ impl DecodeErrors {
         self.messages.push(message.into());
     }
 
+    /// Whether nothing failed.
     pub fn is_empty(&self) -> bool {
         self.messages.is_empty()
     }
 
+    /// The recorded failures, in the order they were found.
     pub fn messages(&self) -> &[String] {
         &self.messages
     }
@@ -126,7 +145,9 @@ pub enum FfiError {
     /// The call frame did not match the handler's signature; every mismatch is listed.
     #[error("[{stage}] failed to decode the call frame: {errors}")]
     Decode {
+        /// The stage being decoded ("execute", ...).
         stage: &'static str,
+        /// Every mismatch found.
         errors: DecodeErrors,
     },
     /// A value was well-formed but not acceptable (an attribute out of range, a shape mismatch).
@@ -144,13 +165,22 @@ pub enum FfiError {
     /// A call into the XLA API failed; `message` is what XLA said.
     #[error("XLA call {call} failed: {message}")]
     Runtime {
+        /// The API function called, e.g. `XLA_FFI_State_Get`.
         call: &'static str,
+        /// The code to report it with (`Unknown` for errors read back from XLA, whose C API does
+        /// not expose the original code).
         code: ErrorCode,
+        /// XLA's message.
         message: String,
     },
     /// A handler panicked; the panic was caught at the boundary.
     #[error("panic in {context}: {message}")]
-    Panic { context: String, message: String },
+    Panic {
+        /// What was running: the target and stage, or the deleter or task.
+        context: String,
+        /// The panic's message, if its payload is a string.
+        message: String,
+    },
     /// A bug or a broken invariant.
     #[error("{0}")]
     Internal(String),
@@ -169,18 +199,27 @@ impl FfiError {
         }
     }
 
+    /// An invalid-argument error for attribute `name`: "invalid attribute `eps`: ...".
+    pub fn attribute(name: &str, problem: impl fmt::Display) -> Self {
+        FfiError::InvalidArgument(format!("invalid attribute `{name}`: {problem}"))
+    }
+
+    /// An [`FfiError::InvalidArgument`] with `message`.
     pub fn invalid_argument(message: impl Into<String>) -> Self {
         FfiError::InvalidArgument(message.into())
     }
 
+    /// An [`FfiError::FailedPrecondition`] with `message`.
     pub fn failed_precondition(message: impl Into<String>) -> Self {
         FfiError::FailedPrecondition(message.into())
     }
 
+    /// An [`FfiError::Internal`] with `message`.
     pub fn internal(message: impl Into<String>) -> Self {
         FfiError::Internal(message.into())
     }
 
+    /// An [`FfiError::Unimplemented`] with `message`.
     pub fn unimplemented(message: impl Into<String>) -> Self {
         FfiError::Unimplemented(message.into())
     }

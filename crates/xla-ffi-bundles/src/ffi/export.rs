@@ -24,7 +24,7 @@ use super::sys;
 use super::types::StateTypeRegistration;
 
 /// The symbol a library exports its table under.
-pub const LIBRARY_SYMBOL: &str = "rmsnorm_ffi_library";
+pub const LIBRARY_SYMBOL: &str = "xla_ffi_bundles_library";
 /// The first bytes of every table.
 pub const LIBRARY_MAGIC: [u8; 8] = *b"RMSNFFI\0";
 /// The version of the table's layout and meaning (everything after the header, and
@@ -35,11 +35,13 @@ pub const LIBRARY_ABI_VERSION: u32 = 1;
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct LibraryHeader {
+    /// [`LIBRARY_MAGIC`], which marks a table of this crate.
     pub magic: [u8; 8],
+    /// The table's [`LIBRARY_ABI_VERSION`]; a reader accepts only its own.
     pub abi_version: u32,
     /// Size of the whole [`LibraryExport`] this header starts.
     pub struct_size: u32,
-    /// The version of `rmsnorm_ffi` the library was built with, NUL-terminated.
+    /// The version of `xla-ffi-bundles` the library was built with, NUL-terminated.
     pub crate_version: *const c_char,
 }
 
@@ -51,6 +53,7 @@ pub struct BundleExport {
     pub target: *const c_char,
     /// The platform JAX registers it for ("cpu", "cuda"), NUL-terminated.
     pub platform: *const c_char,
+    /// The handler traits XLA is told of.
     pub traits: sys::XLA_FFI_Handler_Traits,
     /// The stage handlers; a stage the bundle does not have is null.
     pub handlers: sys::XLA_FFI_Handler_Bundle,
@@ -74,16 +77,22 @@ pub struct StateTypeExport {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct LibraryExport {
+    /// The stable start, checked before anything else is read.
     pub header: LibraryHeader,
     /// Why the table is empty, NUL-terminated, or null: a library whose declarations are
     /// inconsistent exports the reason instead of bundles.
     pub error: *const c_char,
     /// The XLA FFI API version the library's handlers report.
     pub xla_api_major: i32,
+    /// The minor part of that version.
     pub xla_api_minor: i32,
+    /// The bundles, `bundle_count` of them.
     pub bundles: *const BundleExport,
+    /// The number of bundles.
     pub bundle_count: usize,
+    /// The state types that the bundles' `state_type` indices name, `state_type_count` of them.
     pub state_types: *const StateTypeExport,
+    /// The number of state types.
     pub state_type_count: usize,
     /// Makes the library report its states into the caller's registry ([`super::host`]);
     /// returns null on success, else a NUL-terminated reason that lives for the process.
@@ -93,16 +102,36 @@ pub struct LibraryExport {
 /// Why [`LibraryTable::new`] refused a list of bundles.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExportError {
+    /// A bundle failed its own check (a state type but no instantiate stage).
     #[error("{0}")]
     Bundle(String),
+    /// A name contains a NUL byte, so it cannot be a C string.
     #[error("the {what} `{name}` contains a NUL byte")]
-    Nul { what: &'static str, name: String },
+    Nul {
+        /// What the name is of ("target", "platform", "state type").
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// Two bundles have the same target on the same platform.
     #[error("target `{target}` is declared twice for platform `{platform}`")]
-    DuplicateTarget { target: String, platform: String },
+    DuplicateTarget {
+        /// The target name.
+        target: String,
+        /// The platform both are declared for.
+        platform: String,
+    },
+    /// Two different state types have the same name.
     #[error("two different state types are both called `{0}`")]
     DuplicateStateType(String),
+    /// A bundle names a platform this crate does not know.
     #[error("bundle `{target}` names platform `{platform}`, which this crate does not know")]
-    Platform { target: String, platform: String },
+    Platform {
+        /// The bundle's target name.
+        target: String,
+        /// The unknown platform name.
+        platform: String,
+    },
 }
 
 /// A [`LibraryExport`] with everything it points to. Build it once, keep it for the process
@@ -266,12 +295,12 @@ unsafe extern "C" fn attach_registry(hooks: *const RegistryHooks) -> *const c_ch
 }
 
 /// Exports every bundle of a `cdylib` as its library table (see [`LibraryTable`]), under the
-/// C symbol `rmsnorm_ffi_library`, which `rmsnorm_ffi.register_library(path)` reads.
+/// C symbol `xla_ffi_bundles_library`, which `rmsnorm_ffi.register_library(path)` reads.
 ///
 /// ```text
 /// pub const COUNTER: BundleDef = BundleDef::of::<Counter>().instantiate().execute().build();
 /// pub const RESET: BundleDef = BundleDef::of::<Reset>().execute().build();
-/// rmsnorm_ffi::export_library!(COUNTER, RESET);
+/// xla_ffi_bundles::export_library!(COUNTER, RESET);
 /// ```
 ///
 /// It also defines `library_table()`, the same table as a Rust value. One per library: the
@@ -291,11 +320,11 @@ macro_rules! export_library {
             })
         }
 
-        /// The library's entry point: its table (see `rmsnorm_ffi::ffi::export`).
+        /// The library's entry point: its table (see `xla_ffi_bundles::ffi::export`).
         #[cfg(not(test))]
         #[allow(unsafe_code)]
         #[no_mangle]
-        pub extern "C" fn rmsnorm_ffi_library() -> *const $crate::ffi::export::LibraryExport {
+        pub extern "C" fn xla_ffi_bundles_library() -> *const $crate::ffi::export::LibraryExport {
             library_table().as_ptr()
         }
     };

@@ -187,8 +187,11 @@ pub fn instantiate(
 /// An execution context: states per stage, device facts, and outstanding device memory.
 pub struct FakeContext {
     states: Mutex<HashMap<i32, (i64, usize)>>,
+    /// The thread count `XLA_FFI_ThreadPool_NumThreads` reports.
     pub num_threads: i64,
+    /// The ordinal `XLA_FFI_DeviceOrdinal_Get` reports.
     pub device_ordinal: i32,
+    /// The id `XLA_FFI_RunId_Get` reports.
     pub run_id: i64,
     /// `None`: the platform has no stream (CPU), and Stream_Get fails.
     pub stream: Option<usize>,
@@ -212,6 +215,8 @@ impl Default for FakeContext {
 }
 
 impl FakeContext {
+    /// A context with the defaults: 4 threads, device 0, run id 42, no stream, tasks on new
+    /// threads.
     pub fn new() -> Self {
         Self::default()
     }
@@ -497,8 +502,11 @@ pub fn api_with_size(struct_size: usize) -> *const XLA_FFI_Api {
 /// A buffer owned by a test: 8-byte aligned data, dims and dtype.
 #[derive(Debug, Clone)]
 pub struct OwnedBuffer {
+    /// The dtype, as its C value.
     pub dtype: XLA_FFI_DataType,
+    /// The dimensions.
     pub dims: Vec<i64>,
+    /// The data, in 8-byte words so that it is 8-byte aligned.
     pub data: Vec<u64>,
     /// Bytes of valid data in `data`.
     pub bytes: usize,
@@ -552,20 +560,26 @@ pub enum OwnedAttr {
     Scalar(XLA_FFI_DataType, Vec<u8>),
     /// A dense array: dtype, element count, bytes.
     Array(XLA_FFI_DataType, usize, Vec<u8>),
+    /// A string: its bytes.
     String(Vec<u8>),
+    /// A dictionary: named values.
     Dict(Vec<(String, OwnedAttr)>),
 }
 
 impl OwnedAttr {
+    /// A scalar of `T`'s dtype.
     pub fn scalar<T: super::NativeType>(value: T) -> Self {
         OwnedAttr::Scalar(T::DTYPE.to_raw(), bytes_of(std::slice::from_ref(&value)))
     }
+    /// A PRED scalar.
     pub fn pred(value: bool) -> Self {
         OwnedAttr::Scalar(XLA_FFI_DataType::PRED, vec![value as u8])
     }
+    /// A dense array of `T`'s dtype.
     pub fn array<T: super::NativeType>(values: &[T]) -> Self {
         OwnedAttr::Array(T::DTYPE.to_raw(), values.len(), bytes_of(values))
     }
+    /// A string.
     pub fn string(value: &str) -> Self {
         OwnedAttr::String(value.as_bytes().to_vec())
     }
@@ -599,11 +613,15 @@ enum AttrStorage {
 /// valid while the vectors grow.
 #[allow(clippy::vec_box)]
 pub struct BuiltAttrs {
+    /// The list header, pointing into the vectors below; a frame copies the top-level one.
     pub raw: Box<XLA_FFI_Attrs>,
+    /// The type of each attribute, in list (name) order.
     pub types: Vec<XLA_FFI_AttrType>,
     _names: Vec<Box<(XLA_FFI_ByteSpan, Vec<u8>)>>,
+    /// The pointers to each attribute's name.
     pub name_ptrs: Vec<*mut XLA_FFI_ByteSpan>,
     _values: Vec<Box<AttrStorage>>,
+    /// The pointers to each attribute's value (a scalar, array, byte span or nested list).
     pub value_ptrs: Vec<*mut c_void>,
 }
 
@@ -709,9 +727,13 @@ impl BuiltAttrs {
 
 /// Buffers laid out as an argument or result list.
 pub struct BuiltBuffers {
+    /// The buffers' data and dims.
     pub owned: Vec<OwnedBuffer>,
+    /// One `XLA_FFI_Buffer` per buffer, pointing into `owned` (or at a device address).
     pub raw: Vec<Box<XLA_FFI_Buffer>>,
+    /// The type of each entry (1: a buffer).
     pub types: Vec<i32>,
+    /// The pointers to the `XLA_FFI_Buffer`s in `raw`: the list the frame points to.
     pub ptrs: Vec<*mut c_void>,
 }
 
@@ -749,10 +771,16 @@ impl BuiltBuffers {
 /// A complete call frame with all its storage. Tests may edit `frame` and the raw parts
 /// before calling, to present malformed input.
 pub struct BuiltFrame {
+    /// The call frame handlers are called with.
     pub frame: Box<XLA_FFI_CallFrame>,
+    /// The arguments.
     pub args: BuiltBuffers,
+    /// The results, which the handler writes (see [`BuiltFrame::result`]).
     pub rets: BuiltBuffers,
+    /// The attributes (the frame holds a copy of their list header).
     pub attrs: BuiltAttrs,
+    /// The metadata extension and the metadata it points to, for [`FrameBuilder::metadata`]
+    /// frames.
     pub metadata: Option<Box<(XLA_FFI_Metadata_Extension, XLA_FFI_Metadata)>>,
 }
 
@@ -788,6 +816,7 @@ pub struct FrameBuilder {
 }
 
 impl FrameBuilder {
+    /// A frame of `stage` with no operands or attributes, and the fake API table.
     pub fn new(stage: super::Stage) -> Self {
         FrameBuilder {
             stage: stage.to_raw(),
@@ -808,12 +837,14 @@ impl FrameBuilder {
         b
     }
 
+    /// Adds an argument in host memory.
     pub fn arg(mut self, buffer: OwnedBuffer) -> Self {
         self.args.push(buffer);
         self.arg_devices.push(None);
         self
     }
 
+    /// Adds a result in host memory.
     pub fn ret(mut self, buffer: OwnedBuffer) -> Self {
         self.rets.push(buffer);
         self.ret_devices.push(None);
@@ -835,16 +866,19 @@ impl FrameBuilder {
         self
     }
 
+    /// Adds an attribute; the list is sorted by name when built, as XLA does.
     pub fn attr(mut self, name: &str, value: OwnedAttr) -> Self {
         self.attrs.push((name.to_string(), value));
         self
     }
 
+    /// Uses another API table (e.g. from [`api_with_size`], or null).
     pub fn api(mut self, api: *const XLA_FFI_Api) -> Self {
         self.api = api;
         self
     }
 
+    /// Lays out the frame and everything it points to, with `ctx` as its execution context.
     pub fn build(self, ctx: &FakeContext) -> BuiltFrame {
         let mut args = BuiltBuffers::new(self.args, &self.arg_devices);
         let mut rets = BuiltBuffers::new(self.rets, &self.ret_devices);

@@ -44,6 +44,7 @@ impl<'a> Frame<'a> {
         self.stage
     }
 
+    /// The execution context of this call.
     pub fn context(&self) -> &Context<'a> {
         &self.context
     }

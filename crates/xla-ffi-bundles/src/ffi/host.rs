@@ -1,8 +1,8 @@
 //! The live-state registry a library reports into, across the C boundary.
 //!
-//! A library built on this crate (a `cdylib` with `rmsnorm_ffi` as a dependency) carries its own
-//! copy of every `static` of the crate, the live-state registry included; left alone, its states
-//! would be counted in a registry that `rmsnorm_ffi.stats()` never sees. So when the extension
+//! A library built on this crate (a `cdylib` with `xla-ffi-bundles` as a dependency) carries its
+//! own copy of every `static` of the crate, the live-state registry included; left alone, its
+//! states would be counted in a registry that `rmsnorm_ffi.stats()` never sees. So when the extension
 //! registers such a library (`rmsnorm_ffi.register_library`), it first hands the library a
 //! table of its own registry's functions, [`RegistryHooks`], which the library installs
 //! ([`install`]); from then on the library's [`crate::state::LiveState`]s and workspace pools
@@ -22,7 +22,9 @@ use super::panic;
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct Str {
+    /// The first byte.
     pub ptr: *const u8,
+    /// The length in bytes.
     pub len: usize,
 }
 
@@ -52,6 +54,7 @@ impl Str {
 /// [`super::export::LIBRARY_ABI_VERSION`].
 #[repr(C)]
 pub struct RegistryHooks {
+    /// The size of this table in bytes, which [`install`] checks first.
     pub struct_size: usize,
     /// Registers a new live state of `type_name` for `target`; writes its id to `id` and
     /// returns a handle for the two calls below, or null if the host could not register it.
@@ -61,7 +64,8 @@ pub struct RegistryHooks {
     pub state_executed: unsafe extern "C" fn(handle: *mut c_void),
     /// Deregisters the state behind `handle`, which is not used again.
     pub state_destroyed: unsafe extern "C" fn(handle: *mut c_void),
-    /// Adds to the workspace totals: bytes held now (may be negative) and allocations made.
+    /// Adds to the workspace totals: the change in bytes held (negative when a buffer is freed)
+    /// and the allocations made.
     pub workspace_changed: unsafe extern "C" fn(bytes: i64, allocations: u64),
 }
 
@@ -72,7 +76,10 @@ pub trait RegistryHost: 'static {
     type Handle: Send + Sync + 'static;
     /// Registers a state; returns its handle and id.
     fn state_created(target: &str, type_name: &str) -> (Self::Handle, u64);
+    /// Counts one execution of the state behind `handle`.
     fn state_executed(handle: &Self::Handle);
+    /// Adds to the workspace totals: a change of the bytes held (negative when buffers are
+    /// freed) and the allocations made.
     fn workspace_changed(bytes: i64, allocations: u64);
 }
 
@@ -166,10 +173,18 @@ static INSTALLED: AtomicPtr<RegistryHooks> = AtomicPtr::new(ptr::null_mut());
 /// Why [`install`] refused a table.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
+    /// The table pointer is null.
     #[error("the registry table is null")]
     Null,
+    /// The table is smaller than the `RegistryHooks` this library knows.
     #[error("the registry table has {got} bytes, this library needs at least {needed}")]
-    TooSmall { got: usize, needed: usize },
+    TooSmall {
+        /// The table's declared size.
+        got: usize,
+        /// The size this library needs.
+        needed: usize,
+    },
+    /// This library already reports into another table.
     #[error("this library already reports into another registry")]
     OtherHost,
 }

@@ -30,31 +30,68 @@ const MAX_ENTRIES: usize = 1 << 16;
 /// Why a library could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LibraryError {
+    /// The file could not be found or loaded as a shared library.
     #[error("{path} cannot be loaded as a shared library: {message}")]
-    Load { path: String, message: String },
+    Load {
+        /// The library's path.
+        path: String,
+        /// The loader's message.
+        message: String,
+    },
+    /// The library does not export [`LIBRARY_SYMBOL`].
     #[error(
         "{path} is not a bundle library: it exports no `{LIBRARY_SYMBOL}` (a library built on \
-         rmsnorm_ffi exports it with rmsnorm_ffi::export_library!)"
+         xla-ffi-bundles exports it with xla_ffi_bundles::export_library!)"
     )]
-    NotABundleLibrary { path: String },
+    NotABundleLibrary {
+        /// The library's path.
+        path: String,
+    },
+    /// The symbol returned no table of this crate (null, misaligned or without the magic
+    /// number).
     #[error("{path} is not a bundle library: its `{LIBRARY_SYMBOL}` {problem}")]
-    NotATable { path: String, problem: String },
+    NotATable {
+        /// The library's path.
+        path: String,
+        /// What the symbol did, worded to follow its name.
+        problem: String,
+    },
+    /// The table is of another ABI version: the library was built against another version of
+    /// this crate.
     #[error(
-        "{path} was built against rmsnorm_ffi {library_version} (library table version \
-         {library_abi}), which this rmsnorm_ffi {ours} (table version {ours_abi}) cannot read: \
-         rebuild the library against rmsnorm_ffi {ours}"
+        "{path} was built against xla-ffi-bundles {library_version} (library table version \
+         {library_abi}), which this xla-ffi-bundles {ours} (table version {ours_abi}) cannot read: \
+         rebuild the library against xla-ffi-bundles {ours}"
     )]
     Incompatible {
+        /// The library's path.
         path: String,
+        /// The version of xla-ffi-bundles the library was built with.
         library_version: String,
+        /// The library's table ABI version.
         library_abi: u32,
+        /// This crate's version.
         ours: &'static str,
+        /// This crate's table ABI version.
         ours_abi: u32,
     },
+    /// The table has this crate's version but bad contents, or carries the library's own
+    /// export error.
     #[error("{path} has an invalid library table: {problem}")]
-    Invalid { path: String, problem: String },
+    Invalid {
+        /// The library's path.
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The library refused to report into this process's registry.
     #[error("{path} cannot report into this process's registry: {problem}")]
-    Attach { path: String, problem: String },
+    Attach {
+        /// The library's path.
+        path: String,
+        /// The library's reason.
+        problem: String,
+    },
 }
 
 /// A stage handler, safe to hand to XLA.
@@ -64,8 +101,11 @@ pub struct Handler(pub sys::XLA_FFI_Handler);
 /// One bundle of a loaded table, checked.
 #[derive(Debug, Clone)]
 pub struct LibraryBundle {
+    /// The custom-call target name.
     pub target: String,
+    /// The platform JAX registers it for, one of the names this crate knows.
     pub platform: &'static str,
+    /// The handler traits XLA is told of.
     pub traits: sys::XLA_FFI_Handler_Traits,
     /// The stages it has, in XLA's order.
     pub stages: Vec<(Stage, Handler)>,
@@ -76,8 +116,11 @@ pub struct LibraryBundle {
 /// One state type of a loaded table: what `jax.ffi.register_ffi_type` needs.
 #[derive(Debug, Clone)]
 pub struct LibraryStateType {
+    /// The name in XLA's process-wide type registry.
     pub name: String,
+    /// The library's id cell, which XLA fills in at type registration.
     pub type_id: *mut sys::XLA_FFI_TypeId,
+    /// The library's type info, with the deleter.
     pub type_info: *const sys::XLA_FFI_TypeInfo,
 }
 
@@ -86,11 +129,13 @@ pub struct LibraryStateType {
 pub struct Library {
     /// Where it came from (a path, or a description for an in-process table).
     pub origin: String,
-    /// The rmsnorm_ffi version it was built with.
+    /// The xla-ffi-bundles version it was built with.
     pub crate_version: String,
     /// The XLA FFI API version its handlers report.
     pub xla_api_version: (i32, i32),
+    /// The bundles, in table order.
     pub bundles: Vec<LibraryBundle>,
+    /// The state types, which [`LibraryBundle::state_type`] indexes.
     pub state_types: Vec<LibraryStateType>,
 }
 
@@ -155,7 +200,7 @@ pub unsafe fn read_table(
     let header: LibraryHeader = unsafe { table.cast::<LibraryHeader>().read() };
     if header.magic != LIBRARY_MAGIC {
         return Err(not_a_table(
-            "returned a table without the rmsnorm_ffi magic number",
+            "returned a table without the xla-ffi-bundles magic number",
         ));
     }
     if header.abi_version != LIBRARY_ABI_VERSION
@@ -500,7 +545,7 @@ mod tests {
         let e = unsafe { read_table(std::ptr::null(), "lib.so") }.unwrap_err();
         assert_eq!(
             e.to_string(),
-            "lib.so is not a bundle library: its `rmsnorm_ffi_library` returned no table"
+            "lib.so is not a bundle library: its `xla_ffi_bundles_library` returned no table"
         );
         let e = read_edited(|t| t.header.magic[0] = b'X').unwrap_err();
         assert!(matches!(e, LibraryError::NotATable { .. }), "{e}");
@@ -514,9 +559,9 @@ mod tests {
         assert_eq!(
             e.to_string(),
             format!(
-                "lib.so was built against rmsnorm_ffi {ours} (library table version {}), which \
-                 this rmsnorm_ffi {ours} (table version {abi}) cannot read: rebuild the library \
-                 against rmsnorm_ffi {ours}",
+                "lib.so was built against xla-ffi-bundles {ours} (library table version {}), which \
+                 this xla-ffi-bundles {ours} (table version {abi}) cannot read: rebuild the library \
+                 against xla-ffi-bundles {ours}",
                 abi + 1
             )
         );

@@ -13,8 +13,11 @@ use super::types::StateTypeRegistration;
 /// creates), and its target and stage, which the trampoline puts in every error message.
 #[derive(Clone, Copy)]
 pub struct HandlerInfo {
+    /// The custom-call target name.
     pub target: &'static str,
+    /// The stage this handler runs.
     pub stage: Stage,
+    /// The handler traits reported to XLA.
     pub traits: sys::XLA_FFI_Handler_Traits,
     /// The state type this handler creates (instantiate stages of stateful bundles).
     pub creates_state: Option<&'static StateTypeRegistration>,

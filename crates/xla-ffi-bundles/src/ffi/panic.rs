@@ -48,6 +48,6 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// failed write to stderr is ignored: it must not panic here.
 pub fn report_unreturnable<R>(result: FfiResult<R>) {
     if let Err(e) = result {
-        let _ = writeln!(std::io::stderr(), "rmsnorm_ffi: {e}");
+        let _ = writeln!(std::io::stderr(), "xla-ffi-bundles: {e}");
     }
 }

@@ -192,6 +192,7 @@ impl Default for ParallelJobs {
 }
 
 impl ParallelJobs {
+    /// An empty pool: slots are made on first use, and up to 64 idle ones kept for reuse.
     pub fn new() -> Self {
         ParallelJobs {
             idle: IdleQueue::new(64),
@@ -349,6 +350,7 @@ impl<'a, T> DisjointChunks<'a, T> {
         })
     }
 
+    /// The number of chunks.
     pub fn count(&self) -> usize {
         self.count
     }

@@ -10,13 +10,18 @@ use super::sys;
 /// One execution stage of a handler bundle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Stage {
+    /// Once per call site per executable, with attributes and context only: makes the state.
     Instantiate,
+    /// Before each execution, to request resources.
     Prepare,
+    /// Before each execution, after resources were acquired.
     Initialize,
+    /// Every call: runs the operation.
     Execute,
 }
 
 impl Stage {
+    /// Every stage, in the order XLA runs them.
     pub const ALL: [Stage; 4] = [
         Stage::Instantiate,
         Stage::Prepare,
@@ -24,6 +29,7 @@ impl Stage {
         Stage::Execute,
     ];
 
+    /// The C value of this stage.
     pub fn to_raw(self) -> sys::XLA_FFI_ExecutionStage {
         match self {
             Stage::Instantiate => sys::XLA_FFI_ExecutionStage::INSTANTIATE,
@@ -33,6 +39,7 @@ impl Stage {
         }
     }
 
+    /// The stage of a C value; `None` for a value this crate does not know.
     pub fn from_raw(raw: sys::XLA_FFI_ExecutionStage) -> Option<Stage> {
         Stage::ALL.into_iter().find(|s| s.to_raw() == raw)
     }

@@ -5,11 +5,15 @@
 //! value this mirror does not know (a newer dtype, say), and a Rust enum holding an unknown
 //! discriminant would be undefined behaviour.
 //!
-//! Structs are declared through [`c_struct!`], which also records each field's offset and size and
+//! Structs are declared through `c_struct!`, which also records each field's offset and size and
 //! the header's `*_STRUCT_SIZE` value. A test compiles a C program against the header that ships
 //! with jaxlib and compares every one of those numbers with this file, so a jaxlib that moves a
 //! field fails the tests instead of corrupting memory.
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
+// The mirror keeps the header's names, and the header documents each of them: repeating its
+// comments on every field here would be a second copy to keep in step, so only what this
+// mirror adds (its layout records, its version) is documented.
+#![allow(missing_docs)]
 
 use std::ffi::{c_char, c_int, c_void};
 use std::marker::{PhantomData, PhantomPinned};

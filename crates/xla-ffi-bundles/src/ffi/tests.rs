@@ -781,30 +781,6 @@ fn device_memory_is_returned_and_stream_errors_are_reported() {
     assert_eq!(ctx.outstanding_allocations(), 0);
 }
 
-#[test]
-fn registration_lists_are_consistent() {
-    crate::handlers::check_all().unwrap();
-    use crate::handlers::contract::TARGETS;
-    // Every platform has every target of the contract.
-    let targets = |platform: &str| -> Vec<&str> {
-        let bundles = crate::handlers::bundles(platform).unwrap();
-        bundles.iter().map(|b| b.target).collect()
-    };
-    assert_eq!(targets("cpu"), TARGETS);
-    assert_eq!(targets("cuda"), TARGETS);
-    let types = crate::handlers::state_types("cpu").unwrap();
-    let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
-    names.dedup();
-    assert_eq!(names.len(), types.len());
-    let Err(err) = crate::handlers::bundles("tpu") else {
-        panic!("tpu has no bundles")
-    };
-    assert_eq!(
-        err.to_string(),
-        "unsupported platform `tpu` (this build supports: cpu, cuda)"
-    );
-}
-
 // ---------------------------------------------------------------------------------------------
 // Panics where C has no error to return: deleters and thread-pool tasks
 // ---------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ pub unsafe fn handle(
             // No table to build an error with: all that can be done is to say so.
             let _ = writeln!(
                 std::io::stderr(),
-                "rmsnorm_ffi: {} [{}]: {e} (not reported to XLA: no API table)",
+                "xla-ffi-bundles: {} [{}]: {e} (not reported to XLA: no API table)",
                 info.target,
                 info.stage
             );

@@ -21,6 +21,7 @@ use super::sys;
 pub struct TypeIdCell(AtomicI64);
 
 impl TypeIdCell {
+    /// A cell holding 0, the id before XLA assigns one.
     pub const fn unknown() -> Self {
         TypeIdCell(AtomicI64::new(0))
     }
@@ -84,6 +85,7 @@ impl StateTypeRegistration {
         }
     }
 
+    /// The name in XLA's process-wide type registry.
     pub fn name(&self) -> &'static str {
         self.name
     }
@@ -93,10 +95,12 @@ impl StateTypeRegistration {
         self.type_id.get()
     }
 
+    /// The id cell XLA fills in at type registration (the `"type_id"` capsule).
     pub fn type_id_ptr(&self) -> *mut sys::XLA_FFI_TypeId {
         self.type_id.as_ptr()
     }
 
+    /// The type info with the deleter (the `"type_info"` capsule).
     pub fn type_info_ptr(&self) -> *const sys::XLA_FFI_TypeInfo {
         &self.type_info.0
     }
@@ -105,6 +109,8 @@ impl StateTypeRegistration {
 /// A Rust type that can be an XLA FFI state. Declare with [`crate::state_type!`] (which also
 /// implements [`super::bundle::BundleState`], the stages' view of it).
 pub trait StateType: Send + Sync + Sized + 'static {
+    /// The registration of this type: one `static` per type, as [`crate::state_type!`]
+    /// declares it.
     fn registration() -> &'static StateTypeRegistration;
 }
 

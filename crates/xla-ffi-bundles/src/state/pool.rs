@@ -42,6 +42,7 @@ impl<T: Copy + Default + Send> WorkspacePool<T> {
         self.len
     }
 
+    /// Whether buffers have no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

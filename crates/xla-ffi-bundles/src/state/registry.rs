@@ -25,8 +25,11 @@ use crate::ffi::host::{self, HostedState, RegistryHooks, RegistryHost};
 /// What the registry keeps about one live state.
 #[derive(Debug)]
 pub struct StateRecord {
+    /// The state's id, unique in this registry.
     pub id: u64,
+    /// The target the state was made for.
     pub target: &'static str,
+    /// The name of the state's type.
     pub type_name: &'static str,
     executions: AtomicU64,
     /// What the state says about itself (e.g. which stage loaded a device's resources), set
@@ -35,6 +38,7 @@ pub struct StateRecord {
 }
 
 impl StateRecord {
+    /// The executions of this state recorded so far.
     pub fn executions(&self) -> u64 {
         self.executions.load(Ordering::Relaxed)
     }
@@ -241,21 +245,32 @@ pub static HOOKS: RegistryHooks = RegistryHooks::of::<HostRegistry>();
 /// One live state in a [`Snapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateSnapshot {
+    /// The state's id, unique in this registry.
     pub id: u64,
+    /// The target the state was made for.
     pub target: &'static str,
+    /// The name of the state's type.
     pub type_name: &'static str,
+    /// The executions of this state recorded so far.
     pub executions: u64,
+    /// What the state says about itself ([`LiveState::set_detail`]).
     pub details: BTreeMap<String, String>,
 }
 
 /// A point-in-time copy of the registry's figures.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Snapshot {
+    /// States alive now.
     pub live_states: u64,
+    /// States registered since the process started.
     pub created_states: u64,
+    /// States dropped since the process started.
     pub destroyed_states: u64,
+    /// Executions per target, over all its states, live or not.
     pub executions: BTreeMap<&'static str, u64>,
+    /// Bytes held by workspace pools now.
     pub workspace_bytes: i64,
+    /// Workspace buffers allocated since the process started.
     pub workspace_allocations: u64,
     /// Live states, by id.
     pub states: Vec<StateSnapshot>,
@@ -308,7 +323,11 @@ mod tests {
         a.record_execution();
         b.record_execution();
         let mid = snapshot();
-        assert_eq!(mid.created_states - before.created_states, 2);
+        // The counters are the process's: other tests running on libtest's threads create and
+        // drop states meanwhile, so only a lower bound holds for them (an exact delta failed
+        // whenever one did so inside this window); this test's own states are checked by id.
+        assert!(mid.created_states - before.created_states >= 2);
+        assert!(mid.states.iter().any(|s| s.id == b.id()));
         assert_eq!(mid.executions["registry_test_target"], 3);
         assert_eq!(
             mid.states
@@ -322,7 +341,7 @@ mod tests {
         drop(a);
         drop(b);
         let after = snapshot();
-        assert_eq!(after.destroyed_states - before.destroyed_states, 2);
+        assert!(after.destroyed_states - before.destroyed_states >= 2);
         assert!(after.states.iter().all(|s| s.id != ida && s.id != idb));
     }
 }

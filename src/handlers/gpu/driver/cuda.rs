@@ -198,7 +198,7 @@ impl Cuda {
 
     /// The context and device of `stream` (XLA's stream of this call): `cuStreamGetCtx`, then
     /// `cuCtxGetDevice` with that context current.
-    pub fn stream_device(&self, stream: crate::ffi::Stream) -> GpuResult<StreamDevice> {
+    pub fn stream_device(&self, stream: xla_ffi_bundles::ffi::Stream) -> GpuResult<StreamDevice> {
         let mut context: CuContext = ptr::null_mut();
         // SAFETY: `stream` is a live stream handed to us by XLA; valid out-pointer.
         self.check("cuStreamGetCtx", unsafe {
@@ -214,7 +214,7 @@ impl Cuda {
     }
 
     /// Whether `stream` is being captured into a CUDA graph (legal during capture).
-    pub fn capture_status(&self, stream: crate::ffi::Stream) -> GpuResult<CaptureStatus> {
+    pub fn capture_status(&self, stream: xla_ffi_bundles::ffi::Stream) -> GpuResult<CaptureStatus> {
         let mut status: c_int = 0;
         // SAFETY: live stream, valid out-pointer.
         self.check("cuStreamIsCapturing", unsafe {

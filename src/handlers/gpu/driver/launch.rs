@@ -139,7 +139,7 @@ impl<'m> Launch<'m> {
     /// Enqueues the kernel on `stream` (XLA's `CUstream`, which must belong to the module's
     /// context). Only enqueues: no synchronization, no allocation, so it may be captured into a
     /// CUDA graph.
-    pub fn enqueue(self, stream: crate::ffi::Stream) -> GpuResult<()> {
+    pub fn enqueue(self, stream: xla_ffi_bundles::ffi::Stream) -> GpuResult<()> {
         let name = self.function.name;
         let params = self.function.signature.params;
         let error = self.error.or_else(|| {
