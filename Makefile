@@ -77,11 +77,14 @@ counter-bundle: bundles
 # XLA_FFI_INCLUDE_DIRS: the XLA FFI headers of both ends of the jax range (API 0.3 and 0.5), for
 # tests/abi_layout.rs.
 # (`make test` makes .venv-new/ first; `make rust-test` alone checks the headers that exist.)
+# `cargo test` here means the framework and the op (default-members); then the framework's docs
+# must build without a warning (its front page is a doctest; `#![deny(missing_docs)]`).
 SITE_PACKAGES = RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rust-test: $(DEPS)
 	XLA_FFI_INCLUDE_DIRS="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')$$(test -x $(PY_NEW) && \
 		$(PY_NEW) -c 'import jax.ffi; print(":" + jax.ffi.include_dir())')" \
 	$(SITE_PACKAGES) cargo test --features fake-runtime
+	RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps -p xla-ffi-bundles --features python,fake-runtime
 
 # The CUDA path without a GPU, alone (rust-test runs it too): the real GPU bundles through the
 # fake XLA runtime, the product's driver layer loading the fake libcuda of tests/cuda_emulator,
