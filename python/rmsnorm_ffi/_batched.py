@@ -24,7 +24,6 @@ import functools
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -161,7 +160,7 @@ def _ffi(op: _Op, attrs: tuple, operands, typed: bool):
     return list(out)
 
 
-def _shardings(op: _Op, mesh, shapes, n_results: int, result_ndims):
+def _shardings(op: _Op, mesh, shapes, result_ndims):
     """Argument and result shardings: batched operands and results keep the first batched
     operand's batch sharding (core axes whole), unbatched operands are replicated."""
     first = shapes[op.batched()[0]]
@@ -197,8 +196,8 @@ def _rule(op: _Op, value_types, result_types):
 
 
 @functools.cache
-def _partitioned(op: _Op, attrs: tuple, n_operands: int):
-    """The call wrapped in `custom_partitioning` (one per op, attributes and arity)."""
+def _partitioned(op: _Op, attrs: tuple):
+    """The call wrapped in `custom_partitioning` (one per op and attributes)."""
 
     def whole(*operands):
         out = _ffi(op, attrs, operands, typed=True)
@@ -211,7 +210,7 @@ def _partitioned(op: _Op, attrs: tuple, n_operands: int):
         return [len(s.shape) for s in shapes]
 
     def partition(mesh, arg_shapes, result_shape):
-        args, results = _shardings(op, mesh, arg_shapes, 0, result_ndims(result_shape))
+        args, results = _shardings(op, mesh, arg_shapes, result_ndims(result_shape))
 
         def per_shard(*operands):
             out = _ffi(op, attrs, operands, typed=False)
@@ -220,7 +219,7 @@ def _partitioned(op: _Op, attrs: tuple, n_operands: int):
         return mesh, per_shard, results[0] if len(results) == 1 else results, args
 
     def infer(mesh, arg_shapes, result_shape):
-        _, results = _shardings(op, mesh, arg_shapes, 0, result_ndims(result_shape))
+        _, results = _shardings(op, mesh, arg_shapes, result_ndims(result_shape))
         return results[0] if len(results) == 1 else results
 
     fn.def_partition(
@@ -236,10 +235,10 @@ def _lowered(*operands, op: _Op, attrs: tuple):
     if _partitioning.is_explicit(avals[op.batched()[0]]):
         mesh = avals[op.batched()[0]].sharding.mesh
         out_avals = _abstract(*avals, op=op, attrs=attrs)
-        shardings = _shardings(op, mesh, avals, 0, [a.ndim for a in out_avals])
+        shardings = _shardings(op, mesh, avals, [a.ndim for a in out_avals])
         per_shard = lambda *xs: tuple(_ffi(op, attrs, xs, typed=False))  # noqa: E731
         return list(_partitioning._typed_like(_partitioning._shard_mapped(per_shard, operands, shardings), out_avals))
-    out = _partitioned(op, attrs, len(operands))(*operands)
+    out = _partitioned(op, attrs)(*operands)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -287,5 +286,3 @@ def _batch(args, dims, *, op: _Op, attrs: tuple):
 
 batching.primitive_batchers[batched_p] = _batch
 
-# Attribute values must be hashable to be primitive parameters; NumPy scalars are.
-_ = np
