@@ -55,6 +55,14 @@
 typedef unsigned short u16;
 typedef long long i64;
 
+// EMU_GLOBAL(p, store): one access of a thread to global memory at `p` (`*p`'s size and
+// alignment: the instruction's width). Nothing on the device and in the emulated tests; the
+// traffic harness (tests/cuda_emulator/traffic.py, built with EMU_TRAFFIC) records each one to
+// count the bytes, the 32-byte sectors per warp access and the widths of every kernel.
+#if !defined(EMU_GLOBAL)
+#define EMU_GLOBAL(p, store)
+#endif
+
 struct bf16_t { u16 bits; };
 struct f16_t { u16 bits; };
 
@@ -124,10 +132,15 @@ __device__ __forceinline__ Pack<T, VEC> load_pack(const T* base, i64 index) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(&p);
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) d[i] = __ldg(s + i);
+    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) {
+      EMU_GLOBAL(s + i, false);
+      d[i] = __ldg(s + i);
+    }
   } else if constexpr (sizeof(P) == 8) {
+    EMU_GLOBAL(reinterpret_cast<const uint2*>(src), false);
     *reinterpret_cast<uint2*>(&p) = __ldg(reinterpret_cast<const uint2*>(src));
   } else {
+    EMU_GLOBAL(src, false);
     p = *src;
   }
   return p;
@@ -141,10 +154,15 @@ __device__ __forceinline__ void store_pack(T* base, i64 index, const Pack<T, VEC
     uint4* d = reinterpret_cast<uint4*>(dst);
     const uint4* s = reinterpret_cast<const uint4*>(&p);
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) d[i] = s[i];
+    for (int i = 0; i < (int)(sizeof(P) / 16); ++i) {
+      EMU_GLOBAL(d + i, true);
+      d[i] = s[i];
+    }
   } else if constexpr (sizeof(P) == 8) {
+    EMU_GLOBAL(reinterpret_cast<uint2*>(dst), true);
     *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&p);
   } else {
+    EMU_GLOBAL(dst, true);
     *dst = p;
   }
 }
@@ -339,7 +357,10 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
     ss = team_sum(ss, team, red);
     const A r = rstd_of<A>(ss.value(), n, eps);
     if (!valid) continue;
-    if (lane == 0) rstd[row] = r;
+    if (lane == 0) {
+      EMU_GLOBAL(rstd + row, true);
+      rstd[row] = r;
+    }
     if (cached) {
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
@@ -395,8 +416,10 @@ __device__ __forceinline__ void fold_rows(Wide<A>* wrow, A (&acc)[VPT][VEC], int
         if (v < nv)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
+            if (!(fresh && t == 0)) EMU_GLOBAL(wrow + v * VEC + e, false);
             Wide<A> s = (fresh && t == 0) ? Wide<A>::zero() : wrow[v * VEC + e];
             s.add(acc[k][e]);
+            EMU_GLOBAL(wrow + v * VEC + e, true);
             wrow[v * VEC + e] = s;
             acc[k][e] = A(0);
           }
@@ -449,7 +472,10 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     for (int e = 0; e < VEC; ++e) acc[k][e] = A(0);
   if (prow && !cached) {
     // Streaming path (one team per block): each row's terms go straight into the partial row.
-    for (int c = threadIdx.x; c < n; c += blockDim.x) prow[c] = S::zero();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      EMU_GLOBAL(prow + c, true);
+      prow[c] = S::zero();
+    }
     __syncthreads();
   }
   int iterations = 0;  // of the row loop, the same in every thread: a fold every FOLD_ROWS
@@ -459,6 +485,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     const T* xr = x + row * n;
     const T* dyr = dy + row * n;
     T* dxr = dx + row * n;
+    if (valid) EMU_GLOBAL(rstd + row, false);
     const A r = valid ? rstd[row] : A(0);
     S dot = S::zero();
     A part = A(0);
@@ -553,7 +580,11 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
               const A xa = Elem<T>::load(xp.e[e]);
               const A ga = Elem<T>::load(gp.e[e]);
               out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
-              if (prow) prow[v * VEC + e].add(ga * xa * r);
+              if (prow) {
+                EMU_GLOBAL(prow + v * VEC + e, false);
+                EMU_GLOBAL(prow + v * VEC + e, true);
+                prow[v * VEC + e].add(ga * xa * r);
+              }
             }
           } else {
 #pragma unroll
@@ -574,8 +605,10 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane, nv,
                            iterations < FOLD_ROWS);
   if (teams > 1)  // the last fold ended with a barrier: every team's sums are in
-    for (int c = threadIdx.x; c < n; c += blockDim.x)
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      EMU_GLOBAL(prow + c, true);
       prow[c] = weight_row(smem_raw, prow, teams)[c];
+    }
 }
 
 // dw[g * n + c] = sum over b in 0..blocks (blocks per group), in order, of partial[(g * blocks +
@@ -595,13 +628,17 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   dw += group * n;
   S s = S::zero();
   if (c < n)
-    for (int b = threadIdx.y; b < blocks; b += 8) s.merge(partial[(i64)b * n + c]);
+    for (int b = threadIdx.y; b < blocks; b += 8) {
+      EMU_GLOBAL(partial + (i64)b * n + c, false);
+      s.merge(partial[(i64)b * n + c]);
+    }
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < n) {
     S total = S::zero();
 #pragma unroll
     for (int y = 0; y < 8; ++y) total.merge(sums[y][threadIdx.x]);
+    EMU_GLOBAL(dw + c, true);
     dw[c] = Elem<W>::store((typename Elem<W>::Acc)total.value());
   }
 }

@@ -78,6 +78,20 @@ inline T ldg(const T* p, int line) {
 #define __launch_bounds__(...)
 #endif
 
+#if defined(EMU_TRAFFIC)
+// The traffic harness (traffic.cpp, `make gpu-traffic`): every global access the kernel source
+// marks with EMU_GLOBAL is recorded with its address, size and width (its type's alignment, at
+// most 16 bytes: the widest load or store a thread issues). Not defined in the tests' builds,
+// where EMU_GLOBAL expands to nothing.
+namespace emu {
+void traffic_access(const void* p, unsigned bytes, unsigned width, bool store, int line);
+}
+#define EMU_GLOBAL(p, store)                                                             \
+  ::emu::traffic_access((p), (unsigned)sizeof(*(p)),                                   \
+                        (unsigned)(alignof(decltype(*(p))) < 16 ? alignof(decltype(*(p))) : 16), \
+                        (store), __LINE__)
+#endif
+
 #define __syncthreads() ::emu::sync_block(__LINE__)
 #define __shfl_xor_sync(mask, v, lane_mask) ::emu::shfl_xor_sync((mask), (v), (lane_mask), __LINE__)
 #define __ldg(p) ::emu::ldg((p), __LINE__)

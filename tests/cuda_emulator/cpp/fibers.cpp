@@ -43,6 +43,18 @@ void __tsan_release(void* addr);
 }
 #endif
 
+#if defined(EMU_TRAFFIC)
+// The traffic harness's recorder (traffic.cpp): which blocks of a grid to run, when a block
+// starts and ends, and each thread's passage through a barrier or shuffle (the warp's lanes
+// pass them together, so the accesses between two of them are the same instructions).
+namespace emu {
+bool traffic_run_block(uint64_t linear, uint64_t total);
+void traffic_block_begin(int threads);
+void traffic_block_end();
+void traffic_sync();
+}  // namespace emu
+#endif
+
 extern "C" char __start_emu_shared[] __attribute__((weak));
 extern "C" char __stop_emu_shared[] __attribute__((weak));
 
@@ -349,6 +361,9 @@ void poison_shared() {
 // Runs block `bid` to completion (or to its first error).
 void run_block(Run& run, dim3 bid) {
   t_block_idx = bid;
+#if defined(EMU_TRAFFIC)
+  traffic_block_begin(run.threads);
+#endif
   poison_shared();
   memset(run.dynamic, 0xff, run.dynamic_bytes + kGuardBytes);
   run.live = run.threads;
@@ -406,6 +421,9 @@ void run_block(Run& run, dim3 bid) {
 #if EMU_TSAN
   for (int i = 0; i < run.threads; ++i) __tsan_destroy_fiber(run.fibers[i].tsan);
 #endif
+#if defined(EMU_TRAFFIC)
+  traffic_block_end();
+#endif
 }
 
 uint64_t gcd(uint64_t a, uint64_t b) {
@@ -433,6 +451,9 @@ void sync_block(int line) {
 #if EMU_TSAN
   __tsan_release(&run.barrier_token);
 #endif
+#if defined(EMU_TRAFFIC)
+  traffic_sync();
+#endif
   f.line.store(line, std::memory_order_relaxed);
   f.state.store((int)State::Barrier, std::memory_order_relaxed);
   to_scheduler(false);
@@ -445,6 +466,9 @@ uint64_t exchange_xor(unsigned mask, uint64_t bits, int lane_mask, int line) {
   if (mask != 0xffffffffu) fail("__shfl_xor_sync without the full mask", line);
   Run& run = *t_run;
   Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+#if defined(EMU_TRAFFIC)
+  traffic_sync();
+#endif
   f.bits.store(bits, std::memory_order_relaxed);
   f.lane_mask.store(lane_mask, std::memory_order_relaxed);
   f.line.store(line, std::memory_order_relaxed);
@@ -512,6 +536,9 @@ extern "C" int emu_run_grid(const emu::Kernel* kernel, emu::Dim grid, emu::Dim b
   const uint64_t b = run.rng.below(total);
   for (uint64_t i = 0; i < total && !run.failed; ++i) {
     const uint64_t k = (uint64_t)(((unsigned __int128)a * i + b) % total);
+#if defined(EMU_TRAFFIC)
+    if (!traffic_run_block(k, total)) continue;
+#endif
     run_block(run, dim3{(unsigned)(k % grid.x), (unsigned)(k / grid.x % grid.y),
                         (unsigned)(k / ((uint64_t)grid.x * grid.y))});
   }
