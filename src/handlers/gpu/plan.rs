@@ -48,21 +48,25 @@ pub struct Launch {
     pub blocks_per_group: u32,
 }
 
-/// Threads per row: enough for each thread to cache at most `vpt` vectors, 32..=`max`.
-fn team_size(n: usize, vec: usize, vpt: usize, max: usize) -> usize {
+/// Threads per row: enough for each thread to cache at most `vpt` vectors, `min..=max`.
+fn team_size(n: usize, vec: usize, vpt: usize, min: usize, max: usize) -> usize {
     let nv = n / vec;
-    nv.div_ceil(vpt).next_power_of_two().clamp(32, max)
+    nv.div_ceil(vpt).next_power_of_two().clamp(min, max)
 }
 
-/// Forward: short rows get several rows per block (teams of >= 32 threads), long rows a block
-/// of up to 1024 threads; one row per team, no grid-stride needed below 2^31 blocks. Batched
-/// weights need nothing more: the kernel picks a row's weight row from its index.
+/// Forward: short rows get several rows per block, and rows of fewer than 32 threads' vectors
+/// several per warp (teams of 1..32 threads: a warp's accesses cover whole rows, and no lane
+/// idles; docs/gpu-traffic.md measured teams of 32 there at 8 of 32 lanes busy for rows of 64
+/// bfloat16), long rows a block of up to 1024 threads; one row per team, no grid-stride needed
+/// below 2^31 blocks. Batched weights need nothing more: the kernel picks a row's weight row
+/// from its index.
 pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> Launch {
     let vec = vec_width(x, vectorized);
     let team = team_size(
         n,
         vec,
         vectors_per_thread(Direction::Forward, x, vectorized),
+        1,
         1024,
     );
     let block = team.max(256);
@@ -98,7 +102,7 @@ pub fn backward_launch(
     let block = BACKWARD_BLOCK as usize;
     let vpt = vectors_per_thread(Direction::Backward, x, vectorized);
     let wide = wide_size_of(acc_dtype(x));
-    let mut team = team_size(n, vec, vpt, block);
+    let mut team = team_size(n, vec, vpt, 32, block);
     if n * wide > SHARED_ROW_LIMIT_BYTES {
         team = block;
     }
@@ -238,6 +242,66 @@ mod tests {
         assert!(
             backward_scratch_bytes(DataType::F32, 1 << 22, 1, 64, 132, true) <= SCRATCH_LIMIT_BYTES
         );
+    }
+
+    /// The launches `make gpu-traffic` emulated and its table describes (written by
+    /// tests/cuda_emulator/traffic.py from its own reading of this file's functions) are the
+    /// ones these functions make.
+    #[test]
+    fn the_traffic_table_describes_these_plans() {
+        let plans = include_str!("../../../docs/gpu-traffic-plans.txt");
+        let mut checked = 0;
+        for line in plans.lines() {
+            let mut words = line.split_whitespace();
+            let kind = words.next().unwrap();
+            let x = match words.next().unwrap() {
+                "f32" => DataType::F32,
+                "bf16" => DataType::BF16,
+                "f16" => DataType::F16,
+                "f64" => DataType::F64,
+                other => panic!("{line}: dtype {other}"),
+            };
+            let vectorized = words.next().unwrap() == "v";
+            let field = |name: &str| -> usize {
+                line.split_whitespace()
+                    .find_map(|w| w.strip_prefix(&format!("{name}=")))
+                    .unwrap_or_else(|| panic!("{line}: no {name}="))
+                    .parse()
+                    .unwrap()
+            };
+            let (n, rows) = (field("n"), field("rows"));
+            assert_eq!(vectorized, can_vectorize(x, n, &[0]), "{line}");
+            if kind == "bwd" {
+                let l = backward_launch(x, n, 1, rows, vectorized, field("sms"), true);
+                let want = (
+                    l.grid as usize,
+                    l.block as usize,
+                    l.team as usize,
+                    l.shared_bytes as usize,
+                    l.chunk as usize,
+                    l.blocks_per_group as usize,
+                );
+                let got = (
+                    field("grid"),
+                    field("block"),
+                    field("team"),
+                    field("shared"),
+                    field("chunk"),
+                    field("blocks_per_group"),
+                );
+                assert_eq!(got, want, "{line}");
+            } else {
+                let l = forward_launch(x, n, rows, vectorized);
+                let want = (l.grid as usize, l.block as usize, l.team as usize);
+                assert_eq!(
+                    (field("grid"), field("block"), field("team")),
+                    want,
+                    "{line}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 60, "{checked} plans in docs/gpu-traffic-plans.txt");
     }
 
     #[test]

@@ -11,9 +11,11 @@
 // driver-only system ships none).
 //
 // Layout of the work:
-// - A *team* of `team` threads (a power of two, 32..1024, uniform per launch) owns one row at a
-//   time; a block holds blockDim.x / team teams, so short rows get several rows per block and
-//   long rows a whole block per row.
+// - A *team* of `team` threads (a power of two, 1..1024 in the forward, 32..512 in the backward,
+//   uniform per launch) owns one row at a time; a block holds blockDim.x / team teams, so short
+//   rows get several rows per block (and, in the forward, per warp: a warp's 16-byte accesses
+//   then cover several whole rows, and rows of 64 bfloat16 keep every lane busy) and long rows
+//   a whole block per row.
 // - Each thread caches up to VPT vectors of its row in registers (16-byte loads when VEC > 1),
 //   so x (and dy) are read from DRAM exactly once; rows too long for the cache take a streaming
 //   path that re-reads them (from L2, in practice).
@@ -229,10 +231,13 @@ template <> struct Wide<double> {
   }
 };
 
+// Sum over the aligned groups of min(team, 32) lanes of a warp (every lane shuffles: a full
+// mask; team is uniform, so every lane takes the same exchanges).
 template <typename S>
-__device__ __forceinline__ S warp_sum(S v) {
+__device__ __forceinline__ S warp_sum(S v, int team) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v.merge(v.shuffled(offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    if (offset < team) v.merge(v.shuffled(offset));
   return v;
 }
 
@@ -240,7 +245,7 @@ __device__ __forceinline__ S warp_sum(S v) {
 // block must call it the same number of times. `red` holds one slot per warp of the block.
 template <typename S>
 __device__ __forceinline__ S team_sum(S v, int team, S* red) {
-  v = warp_sum(v);
+  v = warp_sum(v, team);
   if (team > 32) {
     const int warp = threadIdx.x >> 5;
     if ((threadIdx.x & 31) == 0) red[warp] = v;
@@ -627,11 +632,26 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   partial += group * blocks * (i64)n;
   dw += group * n;
   S s = S::zero();
-  if (c < n)
-    for (int b = threadIdx.y; b < blocks; b += 8) {
+  if (c < n) {
+    // Four loads in flight before they are added (in the same order as one at a time: the
+    // same bits): one load per thread at a time left the finalize a fifth of the backward's
+    // time on an H200 by the traffic model (docs/gpu-traffic.md).
+    int b = threadIdx.y;
+    for (; b + 24 < blocks; b += 32) {
+      S q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        EMU_GLOBAL(partial + (i64)(b + 8 * i) * n + c, false);
+        q[i] = partial[(i64)(b + 8 * i) * n + c];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s.merge(q[i]);
+    }
+    for (; b < blocks; b += 8) {
       EMU_GLOBAL(partial + (i64)b * n + c, false);
       s.merge(partial[(i64)b * n + c]);
     }
+  }
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < n) {

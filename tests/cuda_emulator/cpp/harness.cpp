@@ -251,7 +251,8 @@ int main(int argc, char** argv) {
   const Shape full[] = {{1, 3, 8}, {1, 5, 1}, {1, 9, 67}, {1, 4, 512}, {3, 2, 64},
                         {1, 2, 4096}, {1, 1, 20000}, {2, 0, 16}};
   const Shape small[] = {{1, 9, 64}, {1, 2, 2048}, {2, 3, 256}};
-  const int teams[] = {32, 64, 512};
+  // 4: forward teams under a warp (several rows per warp; the backward keeps 32).
+  const int teams[] = {4, 32, 64, 512};
   int cases = 0;
   for (const auto& c : combos) {
     if (quick && !((c[0] == F32 && c[1] == F32) || (c[0] == BF16 && c[1] == F32))) continue;
@@ -262,7 +263,7 @@ int main(int argc, char** argv) {
           for (int team : teams) {
             if (quick && (team == 64 || vec == 0)) continue;
             run_case(c[0], c[1], weight, vec, s.groups, s.rows, s.n, team > 256 ? 1024 : team,
-                     team, quick ? 2 : 3);
+                     team < 32 ? 32 : team, quick ? 2 : 3);
             ++cases;
           }
   }
