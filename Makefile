@@ -24,7 +24,7 @@ DEPS_NEW := $(VENV_NEW)/.deps-installed
 WHEEL_DIR := target/wheels
 
 .PHONY: demo stateful-demo bundles counter-bundle sanitize loom memcheck test bench develop wheel \
-	rust-test python-test python-test-new gpu-emulate gpu-sanitize clean
+	rust-test python-test python-test-new gpu-emulate gpu-sanitize gpu-traffic gpu-traffic-docs clean
 
 $(DEPS): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -99,6 +99,18 @@ gpu-emulate: $(DEPS)
 gpu-sanitize:
 	tests/cuda_emulator/sanitize.sh target/gpu-sanitize
 
+# Every kernel's memory traffic, sector efficiency, access widths, ptxas registers and
+# occupancy, measured on the emulator (a standalone g++ build, no cargo), and the predicted
+# fraction of an H200's bandwidth (docs/gpu-traffic.md: the table and the model). Fails when a
+# kernel misses a target, and checks that two planted regressions fail it. 40-90 s on 2
+# cores. gpu-traffic-docs writes the tables into docs/ (commit docs/gpu-traffic-plans.txt with
+# any launch-plan change: plan.rs's unit test reads it).
+gpu-traffic: $(DEPS)
+	$(PY) tests/cuda_emulator/traffic.py --out target/gpu-traffic
+
+gpu-traffic-docs: $(DEPS)
+	$(PY) tests/cuda_emulator/traffic.py --out target/gpu-traffic --update-docs
+
 # AddressSanitizer with LeakSanitizer on the unit tests, the fuzzed call frames, the fixtures'
 # and the registry hooks' tests: an invalid read or write that happens not to crash, a use after
 # free, a leak. Needs nightly Rust (part of these machines' image; Rust's sanitizers are
@@ -162,7 +174,7 @@ python-test-new: $(DEPS) $(DEPS_NEW) bundles wheel
 	$(PY_NEW) -m pip install --quiet --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	$(PY_NEW) -m pytest -q $(NEW_STACK_TESTS)
 
-test: $(DEPS_NEW) rust-test gpu-sanitize sanitize loom memcheck python-test python-test-new
+test: $(DEPS_NEW) rust-test gpu-sanitize gpu-traffic sanitize loom memcheck python-test python-test-new
 
 # The benchmark suite: a table of times and ratios, the accuracy sweep to rows of 2^26 (about 6 GB,
 # 2.5 minutes; BENCH_ARGS=--no-accuracy skips it), bench/out/results.json and a PNG plot.
