@@ -26,9 +26,12 @@ timeout still returns data), each in a try block of its own:
  7. big: more than 2^31 elements (bfloat16), forward and backward, sampled rows vs float64.
  8. growth: 50 call sites compiled, run and dropped: live states back to the baseline, XLA's
     bytes in use back, one module per device.
- 9. bandwidth: GB/s of forward and backward against a device copy, against jnp, and against the
-    Pallas RMS norm jax ships (if importable), and of the fused residual forward against jnp's
-    x + r then jnp's norm, M in {4096, 16384} x N in {1024, 4096, 8192, 16384}, bfloat16 and
+ 9. bandwidth: GB/s of forward and backward against a device copy, against jnp, against the
+    Pallas RMS norm jax ships (if importable) and tokamax's layer_norm with subtract_mean=False
+    (if tokamax is installed), and of the fused residual forward against jnp's x + r then jnp's
+    norm, each next to the traffic model's prediction (docs/gpu-traffic.json, from `make
+    gpu-traffic`: its predicted fraction of peak times this device's measured copy; `~` where
+    the shape is not the model's and its row length's sweep shape stands in), M in {4096, 16384} x N in {1024, 4096, 8192, 16384}, bfloat16 and
     float32; each timing runs k independent calls in one executable on k
     distinct buffers, k chosen so that k buffers exceed 4x the L2 (read off the device), so
     small shapes are not timed from cache. bfloat16 first; stops early to leave the last
@@ -525,6 +528,31 @@ def timed(fn, args, k):
 
 TABLE: list[tuple] = []
 
+# The traffic model's predictions (docs/gpu-traffic.md), keyed by (call, dtype, n, rows).
+try:
+    MODEL = {(c["kind"], c["dtype"], c["n"], c["rows"]): c for c in json.loads(
+        (Path(__file__).resolve().parent.parent / "docs/gpu-traffic.json").read_text())["calls"]}
+except (OSError, ValueError, KeyError):
+    MODEL = {}
+
+
+def predicted_gbs(kind: str, dtype: str, M: int, N: int, counted: int, copy_gbs: float):
+    """The model's GB/s for this call in this table's units (`counted` bytes per call), scaled
+    to this device's copy: (text, value or None)."""
+    short = {"bfloat16": "bf16", "float32": "f32"}.get(dtype, dtype)
+    m = MODEL.get((kind, short, N, M))
+    mark = ""
+    if m is None:
+        near = [c for (k, d, n, _), c in MODEL.items() if (k, d, n) == (kind, short, N)]
+        if not near:
+            return "-", None
+        m, mark = near[0], "~"
+    # The call moves its minimum bytes at predicted_fraction of the peak, where a copy gets the
+    # peak: in this table's units (the row arrays only, a hair under the minimum) the same.
+    value = m["predicted_fraction"] * copy_gbs * min(1.0, counted / m["minimum_bytes"] * m["rows"]
+                                                     * m["n"] / (M * N))
+    return f"{mark}{value:.0f}", value
+
 
 @section("bandwidth", needs=60)
 def bandwidth():
@@ -538,6 +566,13 @@ def bandwidth():
     except Exception as e:  # noqa: BLE001
         pallas = None
         record("bandwidth", pallas=f"absent: {e}")
+    try:
+        import tokamax
+
+        tokamax_norm = tokamax.layer_norm
+    except Exception as e:  # noqa: BLE001
+        tokamax_norm = None
+        record("bandwidth", tokamax=f"absent: {e}")
     Ms = (4096,) if OPTS.quick else (4096, 16384)
     Ns = (1024, 4096) if OPTS.quick else (1024, 4096, 8192, 16384)
     for dt in (jnp.bfloat16, jnp.float32):
@@ -575,11 +610,24 @@ def bandwidth():
                         row["pallas_bwd"] = timed(lambda x: jax.vjp(pf, x)[1](x)[0], [(x,) for x in xs], k)
                     except Exception as e:  # noqa: BLE001
                         row["pallas_error"] = f"{type(e).__name__}: {e}"[:200]
+                if tokamax_norm is not None:
+                    try:  # RMS norm: no mean subtracted, no offset
+                        tf = lambda x: tokamax_norm(x, w, None, epsilon=1e-5, subtract_mean=False)  # noqa: E731
+                        row["tokamax_fwd"] = timed(tf, [(x,) for x in xs], k)
+                        row["tokamax_bwd"] = timed(lambda x: jax.vjp(tf, x)[1](x)[0], [(x,) for x in xs], k)
+                    except Exception as e:  # noqa: BLE001
+                        row["tokamax_error"] = f"{type(e).__name__}: {e}"[:200]
                 gb = lambda t, reads: reads * nbytes / t / 1e9  # noqa: E731
                 row["copy_GBs"] = gb(row["copy"], 2)
                 row["fwd_GBs"] = gb(row["fwd"], 2)
                 row["bwd_GBs"] = gb(row["bwd"], 3)
                 row["res_GBs"] = gb(row["res"], 4)  # reads x and r, writes h and y
+                for kind, reads in (("fwd", 2), ("bwd", 3), ("res", 4)):
+                    text, value = predicted_gbs(kind, row["dtype"], M, N, reads * nbytes,
+                                                row["copy_GBs"])
+                    row[f"model_{kind}"] = text
+                    if value is not None:
+                        row[f"model_{kind}_GBs"] = value
                 record("bandwidth", **row)
                 TABLE.append(row)
                 del xs, rs
@@ -612,19 +660,26 @@ def table() -> str:
     lines = [f"{'section':12s} {'status':8s} detail", "-" * 100]
     lines += [f"{s:12s} {st:8s} {d}" for s, st, d in SUMMARY]
     if TABLE:
-        lines += ["", f"{'dtype':9s} {'M':>6s} {'N':>6s} {'copy GB/s':>9s} {'fwd GB/s':>8s} {'/copy':>6s} "
-                  f"{'jnp/fwd':>7s} {'pal/fwd':>7s} {'bwd GB/s':>8s} {'/copy':>6s} {'jnp/bwd':>7s} {'pal/bwd':>7s} "
-                  f"{'res GB/s':>8s} {'/copy':>6s} {'jnp/res':>7s}"]
+        lines += ["", f"{'dtype':9s} {'M':>6s} {'N':>6s} {'copy GB/s':>9s} {'fwd GB/s':>8s} {'model':>6s} "
+                  f"{'/copy':>6s} {'jnp/fwd':>7s} {'pal/fwd':>7s} {'tok/fwd':>7s} {'bwd GB/s':>8s} {'model':>6s} "
+                  f"{'/copy':>6s} {'jnp/bwd':>7s} {'pal/bwd':>7s} {'tok/bwd':>7s} {'res GB/s':>8s} {'model':>6s} "
+                  f"{'/copy':>6s} {'jnp/res':>7s}"]
+
+        def ratio(r, key, ours):
+            return f"{r[key] / r[ours]:7.2f}" if key in r else "      -"
+
         for r in TABLE:
-            pf = f"{r['pallas_fwd'] / r['fwd']:7.2f}" if "pallas_fwd" in r else "      -"
-            pb = f"{r['pallas_bwd'] / r['bwd']:7.2f}" if "pallas_bwd" in r else "      -"
             lines.append(
                 f"{r['dtype']:9s} {r['M']:6d} {r['N']:6d} {r['copy_GBs']:9.0f} {r['fwd_GBs']:8.0f} "
-                f"{r['fwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_fwd'] / r['fwd']:7.2f} {pf} "
-                f"{r['bwd_GBs']:8.0f} {r['bwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_bwd'] / r['bwd']:7.2f} {pb} "
-                f"{r['res_GBs']:8.0f} {r['res_GBs'] / r['copy_GBs']:6.1%} {r['jnp_res'] / r['res']:7.2f}")
-        lines.append("(ratios jnp/ours and pallas/ours > 1: ours faster; bwd counts x, dy, dx; res counts x, r, h, "
-                     "y against jnp's x + r then jnp's norm)")
+                f"{r.get('model_fwd', '-'):>6s} {r['fwd_GBs'] / r['copy_GBs']:6.1%} {r['jnp_fwd'] / r['fwd']:7.2f} "
+                f"{ratio(r, 'pallas_fwd', 'fwd')} {ratio(r, 'tokamax_fwd', 'fwd')} "
+                f"{r['bwd_GBs']:8.0f} {r.get('model_bwd', '-'):>6s} {r['bwd_GBs'] / r['copy_GBs']:6.1%} "
+                f"{r['jnp_bwd'] / r['bwd']:7.2f} {ratio(r, 'pallas_bwd', 'bwd')} {ratio(r, 'tokamax_bwd', 'bwd')} "
+                f"{r['res_GBs']:8.0f} {r.get('model_res', '-'):>6s} {r['res_GBs'] / r['copy_GBs']:6.1%} "
+                f"{r['jnp_res'] / r['res']:7.2f}")
+        lines.append("(ratios jnp/ours, pallas/ours and tok(amax)/ours > 1: ours faster; bwd counts x, dy, dx; "
+                     "res counts x, r, h, y against jnp's x + r then jnp's norm; model: docs/gpu-traffic.md's "
+                     "prediction scaled to the measured copy, ~ from the sweep's shape of that row length)")
     return "\n".join(lines)
 
 
