@@ -399,6 +399,27 @@ impl RowSum {
         }
     }
 
+    /// The totals of `G` sums at once, each exactly as [`RowSum::total`] takes it (the same
+    /// operations in the same order per sum), the sums' chains interleaved so that they run side
+    /// by side in SIMD lanes. For short rows the total is most of a row's arithmetic: 16
+    /// dependent two-sums, against 4 vector steps for the squares of a row of 64; taken one row
+    /// at a time, in scalar instructions, it was the most of the forward's time at rows of 64.
+    #[inline(always)]
+    pub fn totals<const G: usize>(sums: [RowSum; G]) -> [f64; G] {
+        // Lane by lane, the G sums side by side (contiguous, so the steps vectorize).
+        let hi: [[f64; G]; LANES] = std::array::from_fn(|l| std::array::from_fn(|k| sums[k].hi[l]));
+        let lo: [[f64; G]; LANES] = std::array::from_fn(|l| std::array::from_fn(|k| sums[k].lo[l]));
+        let (mut sum, mut err) = ([0.0f64; G], [0.0f64; G]);
+        for (hi, lo) in hi.iter().zip(&lo) {
+            for k in 0..G {
+                let (s, e) = two_sum(sum[k], hi[k]);
+                sum[k] = s;
+                err[k] += e + lo[k];
+            }
+        }
+        std::array::from_fn(|k| finish_total(sum[k], err[k]))
+    }
+
     /// The sum, in float64.
     #[inline(always)]
     pub fn total(self) -> f64 {
@@ -408,13 +429,19 @@ impl RowSum {
             sum = s;
             err += e + self.lo[l];
         }
-        // An infinite sum has NaN error terms (inf - inf): the sum alone is the answer, as a
-        // plain sum would give (NaN stays NaN either way).
-        if sum.is_finite() {
-            sum + err
-        } else {
-            sum
-        }
+        finish_total(sum, err)
+    }
+}
+
+/// A compensated total from its sum and error term. An infinite sum has NaN error terms
+/// (inf - inf): the sum alone is the answer, as a plain sum would give (NaN stays NaN either
+/// way).
+#[inline(always)]
+fn finish_total(sum: f64, err: f64) -> f64 {
+    if sum.is_finite() {
+        sum + err
+    } else {
+        sum
     }
 }
 

@@ -435,6 +435,8 @@ fn scale_rows_each<'w, const G: usize, X: Lane, W: Lane + 'w>(
 struct VecSum {
     hi: [__m512d; 2],
     lo: [__m512d; 2],
+    /// No block added yet: the lanes are zero.
+    fresh: bool,
 }
 
 impl VecSum {
@@ -444,14 +446,30 @@ impl VecSum {
         VecSum {
             hi: [z, z],
             lo: [z, z],
+            fresh: true,
         }
     }
 
     /// Adds a block of 16 float32 accumulators (Knuth's TwoSum per lane, as `RowSum::add`).
+    ///
+    /// The first block into fresh lanes takes 2 operations per half instead of 7, with the
+    /// same bits: TwoSum of `0 + b` is `b` (added to zero, as TwoSum's sum is) with an error
+    /// of exactly 0 for finite `b`; where `b` is not finite TwoSum's error is NaN, and never
+    /// read: that lane keeps the row's sum non-finite, and `RowSum::total` then returns the sum
+    /// alone. Rows of up to `SUM_BLOCK` elements (all of the narrow rows) add one block, so
+    /// this was a third of their first pass.
     #[inline(always)]
     fn add(&mut self, s: V4, block: __m512) {
         let f = s.avx512f;
         let halves: [__m256; 2] = pulp::cast(block);
+        if self.fresh {
+            let z = f._mm512_setzero_pd();
+            for (hi, half) in self.hi.iter_mut().zip(halves) {
+                *hi = f._mm512_add_pd(z, f._mm512_cvtps_pd(half));
+            }
+            self.fresh = false;
+            return;
+        }
         for ((hi, lo), half) in self.hi.iter_mut().zip(&mut self.lo).zip(halves) {
             let (a, b) = (*hi, f._mm512_cvtps_pd(half));
             let sum = f._mm512_add_pd(a, b);
@@ -465,9 +483,25 @@ impl VecSum {
         }
     }
 
+    /// Adds a row's tail block, `block(tail)` (the tail's terms, one per lane), unless the
+    /// tail is empty: TwoSum of `hi + 0` is `hi` with an error of 0 where `hi` is finite, and
+    /// where it is not, the error is never read (see [`VecSum::add`]).
     #[inline(always)]
-    fn total(self) -> f64 {
-        RowSum::from_lanes(pulp::cast(self.hi), pulp::cast(self.lo)).total()
+    fn add_tail<X>(&mut self, s: V4, tail: &[X], block: impl FnOnce(&[X]) -> [f32; LANES]) {
+        if !tail.is_empty() {
+            self.add(s, pulp::cast(block(tail)));
+        }
+    }
+
+    /// The totals of `G` sums, side by side (`RowSum::totals`).
+    #[inline(always)]
+    fn totals<const G: usize>(sums: [VecSum; G]) -> [f64; G] {
+        RowSum::totals(sums.map(VecSum::row_sum))
+    }
+
+    #[inline(always)]
+    fn row_sum(self) -> RowSum {
+        RowSum::from_lanes(pulp::cast(self.hi), pulp::cast(self.lo))
     }
 }
 
@@ -528,12 +562,10 @@ impl<const G: usize> GroupSums<G> {
         if !self.chunks.is_multiple_of(BLOCK_CHUNKS) {
             self.flush(s);
         }
-        let mut totals = [0.0; G];
-        for ((total, sum), tail) in totals.iter_mut().zip(&mut self.sums).zip(tails) {
-            sum.add(s, pulp::cast(tail_squares::<X, f32>(tail)));
-            *total = sum.total();
+        for (sum, tail) in self.sums.iter_mut().zip(tails) {
+            sum.add_tail(s, tail, tail_squares::<X, f32>);
         }
-        totals
+        VecSum::totals(self.sums)
     }
 }
 
@@ -808,18 +840,19 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
         let mut i = g0;
         while i < g1 {
             if i + 1 < g1 {
-                let (a, b) = row_sums_pair(
+                let [dot_a, sq_a, dot_b, sq_b] = VecSum::totals(row_sums_pair(
                     s,
                     (&x[row(i)], &dy[row(i)]),
                     (&x[row(i + 1)], &dy[row(i + 1)]),
                     w,
-                );
-                factors(i, a);
-                factors(i + 1, b);
+                ));
+                factors(i, (dot_a, sq_a));
+                factors(i + 1, (dot_b, sq_b));
                 i += 2;
             } else {
-                let (a, _) = row_sums_pair(s, (&x[row(i)], &dy[row(i)]), (&[], &[]), w);
-                factors(i, a);
+                let [dot, sq, _, _] =
+                    VecSum::totals(row_sums_pair(s, (&x[row(i)], &dy[row(i)]), (&[], &[]), w));
+                factors(i, (dot, sq));
                 i += 1;
             }
         }
@@ -837,14 +870,15 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
 }
 
 /// `(sum(g * x), sum(x^2))` with `g = dy * w` of two rows (`x`, `dy`) sharing the weight, each
-/// in `math::row_sums`'s order. An empty second row gives zeros for it.
+/// in `math::row_sums`'s order, before their totals: `[dot a, squares a, dot b, squares b]`.
+/// An empty second row gives zeros for it.
 #[inline(always)]
 fn row_sums_pair<X: Lane, W: Lane>(
     s: V4,
     a: (&[X], &[X]),
     b: (&[X], &[X]),
     w: &[W],
-) -> ((f64, f64), (f64, f64)) {
+) -> [VecSum; 4] {
     let f = s.avx512f;
     let (mut sa, mut sb) = (VecSum::new(s), VecSum::new(s));
     let (mut ta, mut tb) = (VecSum::new(s), VecSum::new(s));
@@ -879,14 +913,11 @@ fn row_sums_pair<X: Lane, W: Lane>(
         sa.add(s, qa);
         ta.add(s, pa);
     }
-    sa.add(s, pulp::cast(tail_dot::<X, W, f32>(xat, dat, wt)));
-    ta.add(s, pulp::cast(tail_squares::<X, f32>(xat)));
-    if !pair {
-        return ((sa.total(), ta.total()), (0.0, 0.0));
-    }
-    sb.add(s, pulp::cast(tail_dot::<X, W, f32>(xbt, dbt, wt)));
-    tb.add(s, pulp::cast(tail_squares::<X, f32>(xbt)));
-    ((sa.total(), ta.total()), (sb.total(), tb.total()))
+    sa.add_tail(s, xat, |xat| tail_dot::<X, W, f32>(xat, dat, wt));
+    ta.add_tail(s, xat, tail_squares::<X, f32>);
+    sb.add_tail(s, xbt, |xbt| tail_dot::<X, W, f32>(xbt, dbt, wt));
+    tb.add_tail(s, xbt, tail_squares::<X, f32>);
+    [sa, ta, sb, tb]
 }
 
 /// `(dot + (dy * w) * x, sq + x * x)`, lane by lane.

@@ -294,6 +294,31 @@ pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
     }
 }
 
+/// The backward pass over one chunk's consecutive rows of `n` that share the weight row `w`,
+/// adding their weight-gradient terms into `acc`: two rows per loop (see `math`), in the loops
+/// that are fastest for this instruction set and these types (all bit-identical). Runs inside
+/// `kernel.run`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_chunk<T: Element, W: Element, A: Accum>(
+    kernel: Kernel,
+    x: &[T],
+    dy: &[T],
+    n: usize,
+    w: &[W],
+    rstd: Rstd<'_, A>,
+    dx: &mut [T],
+    acc: &mut [A::Wide],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Kernel::Avx512(v4) = kernel {
+        if avx512::backward_rows::<T, W, A>(v4, x, dy, n, w, rstd, dx, acc) {
+            return;
+        }
+    }
+    backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx, acc)
+}
+
 struct ForwardCall<'s, 'c, 'a> {
     state: &'s ForwardState,
     ctx: &'c Context<'a>,
@@ -434,15 +459,8 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
         let one_group =
             count == 0 || first / self.rows_per_group == (first + count - 1) / self.rows_per_group;
         if let (Some(w), Some(acc), true) = (w_of(0), acc.as_deref_mut(), one_group) {
-            // One weight row for all these rows: two rows per loop (see `math`).
             let (x, dy) = (&self.x[span.clone()], &self.dy[span]);
-            #[cfg(target_arch = "x86_64")]
-            if let Kernel::Avx512(v4) = self.kernel {
-                if avx512::backward_rows::<T, W, A>(v4, x, dy, n, w, rstd, dx_rows, acc) {
-                    return;
-                }
-            }
-            return backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx_rows, acc);
+            return backward_chunk::<T, W, A>(self.kernel, x, dy, n, w, rstd, dx_rows, acc);
         }
         backward_rows::<T, W, A>(
             &self.x[span.clone()],
