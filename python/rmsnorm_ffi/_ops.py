@@ -74,8 +74,17 @@ def _check_weight(op: str, x, weight):
 
 
 def _check_eps(op: str, eps) -> float:
+    """eps as the float the kernels take: a Python number, a NumPy scalar, or a concrete 0-d array
+    of a real dtype (models that keep eps in their parameters or configs as an array, as penzai
+    does); never a traced value, since it is a compile-time attribute of the call."""
     if isinstance(eps, jax.core.Tracer):
         raise TypeError(f"{op}: eps must be a Python number (it is a compile-time attribute), got a traced value")
+    if isinstance(eps, (np.ndarray, jax.Array)):
+        if eps.ndim != 0:
+            raise ValueError(f"{op}: eps must be a scalar (a 0-d array at most), got an array of shape {tuple(eps.shape)}")
+        if not (jnp.issubdtype(eps.dtype, jnp.floating) or jnp.issubdtype(eps.dtype, jnp.integer)):
+            raise TypeError(f"{op}: eps must be a real number, got a 0-d array of dtype {eps.dtype}")
+        eps = np.asarray(eps).item()
     if isinstance(eps, bool) or not isinstance(eps, (Real, np.floating, np.integer)):
         raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
     eps = float(eps)

@@ -101,6 +101,14 @@ CASES = [
     ("eps_traced", "jax.jit(lambda x, e: rms_norm(x, eps=e))(x, 1e-5)", ("TypeError", r"eps must be a Python number .* traced")),
     ("eps_large_is_fine", "close(rms_norm(x, w, eps=1e30), rms_norm_reference(x, w, eps=1e30))", OK),
     ("eps_zero_is_fine", "close(rms_norm(x, w, eps=0.0), rms_norm_reference(x, w, eps=0.0))", OK),
+    # eps kept as an array (penzai's parameters, configs): concrete 0-d arrays are the number they hold.
+    ("eps_numpy_scalar_is_fine", "close(rms_norm(x, w, eps=np.float32(0.5)), rms_norm_reference(x, w, eps=0.5))", OK),
+    ("eps_numpy_0d_is_fine", "close(rms_norm(x, w, eps=np.array(0.5)), rms_norm_reference(x, w, eps=0.5))", OK),
+    ("eps_jax_0d_is_fine", "close(rms_norm(x, w, eps=jnp.asarray(0.5, jnp.bfloat16)), rms_norm_reference(x, w, eps=0.5))", OK),
+    ("eps_int_0d_is_fine", "close(rms_norm(x, w, eps=np.array(1)), rms_norm_reference(x, w, eps=1.0))", OK),
+    ("eps_1d_array", "rms_norm(x, eps=np.array([1e-5]))", ("ValueError", r"eps must be a scalar \(a 0-d array at most\), got an array of shape \(1,\)")),
+    ("eps_bool_0d", "rms_norm(x, eps=np.array(True))", ("TypeError", r"eps must be a real number, got a 0-d array of dtype bool")),
+    ("eps_nan_0d", "rms_norm(x, eps=jnp.asarray(jnp.nan))", ("ValueError", r"eps must be finite and >= 0 .*got nan")),
     # --- empty arrays and extreme sizes -----------------------------------------------------
     (
         "empty_rows",
