@@ -56,7 +56,7 @@
 //! 1.16x, one thread).
 
 use core::any::TypeId;
-use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_UNORD_Q};
+use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_EQ_OQ, _CMP_UNORD_Q};
 
 use half::bf16;
 use pulp::x86::V4;
@@ -323,6 +323,12 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
     }
     let rows = rstd.len();
     let mut first = 0;
+    if narrow(n) {
+        // Narrow rows in batches of NARROW_BATCH (see `narrow_forward`); the last few go on.
+        first = rows / NARROW_BATCH * NARROW_BATCH;
+        let span = ..first * n;
+        narrow_forward(s, &x[span], n, &w_of, eps, &mut y[span], &mut rstd[..first]);
+    }
     // The chunk's rows in groups of the most that fit, then what is left in groups of 2 and 1.
     for g in [group_rows(n, std::mem::size_of::<X>()), 2, 1] {
         let take = (rows - first) / g * g;
@@ -339,6 +345,142 @@ fn rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
             _ => chain::<1, X, W, A>(s, x, n, &w_at, eps, y, rstd),
         }
         first += take;
+    }
+}
+
+/// Rows per batch of the narrow-row loops: one row per float64 lane of a vector.
+const NARROW_BATCH: usize = 8;
+/// Longest rows the narrow-row loops take.
+const NARROW_MAX: usize = 256;
+
+/// Whether rows of `n` go through the narrow-row loops: whole vectors (no tail) and at most
+/// [`NARROW_MAX`] elements, so a row is one block of its sum (`math::SUM_BLOCK`) and a batch's
+/// rows stay in L1 between their two passes.
+///
+/// Why: a row's sum ends in a compensated total of its 16 float64 lanes, 16 dependent
+/// two-sums. For a row of 64 that is more arithmetic than its 4 vectors of squares, and taken
+/// row by row (or 4 rows side by side, `VecSum::totals`) it bound the loops: through the
+/// kernels alone (`bench/kernel_rows.rs`), rows of 64 took 24 ns each in the forward, against 7
+/// for `x * c`. Here 8 rows' lanes are transposed so that each float64 lane holds one row, and
+/// the 16 steps run once for the 8 rows.
+#[inline(always)]
+fn narrow(n: usize) -> bool {
+    n > 0 && n.is_multiple_of(LANES) && n <= NARROW_MAX
+}
+
+/// The 8x8 transpose of float64 vectors: lane `l` of result `k` is lane `k` of `rows[l]`.
+#[inline(always)]
+fn transpose8(s: V4, r: [__m512d; 8]) -> [__m512d; 8] {
+    let f = s.avx512f;
+    let z = f._mm512_setzero_pd();
+    // Pairs of rows interleaved: t[2j] holds the even lanes of rows 2j and 2j+1, t[2j+1] the odd.
+    let mut t = [z; 8];
+    for j in 0..4 {
+        t[2 * j] = f._mm512_unpacklo_pd(r[2 * j], r[2 * j + 1]);
+        t[2 * j + 1] = f._mm512_unpackhi_pd(r[2 * j], r[2 * j + 1]);
+    }
+    // Then quadruples: u[j] (j < 4) holds lanes j and j+4 of rows 0-3, u[j + 4] of rows 4-7.
+    let quad_lo: __m512i = pulp::cast([0i64, 1, 8, 9, 4, 5, 12, 13]);
+    let quad_hi: __m512i = pulp::cast([2i64, 3, 10, 11, 6, 7, 14, 15]);
+    let mut u = [z; 8];
+    for base in [0, 4] {
+        u[base] = f._mm512_permutex2var_pd(t[base], quad_lo, t[base + 2]);
+        u[base + 1] = f._mm512_permutex2var_pd(t[base + 1], quad_lo, t[base + 3]);
+        u[base + 2] = f._mm512_permutex2var_pd(t[base], quad_hi, t[base + 2]);
+        u[base + 3] = f._mm512_permutex2var_pd(t[base + 1], quad_hi, t[base + 3]);
+    }
+    // Then halves: lane l of all 8 rows.
+    let half_lo: __m512i = pulp::cast([0i64, 1, 2, 3, 8, 9, 10, 11]);
+    let half_hi: __m512i = pulp::cast([4i64, 5, 6, 7, 12, 13, 14, 15]);
+    let mut out = [z; 8];
+    for j in 0..4 {
+        out[j] = f._mm512_permutex2var_pd(u[j], half_lo, u[j + 4]);
+        out[j + 4] = f._mm512_permutex2var_pd(u[j], half_hi, u[j + 4]);
+    }
+    out
+}
+
+/// The totals of 8 rows' sums, each kept as 16 float32 lanes of one block (`q[k]`: row k),
+/// in one vector (lane k: row k), with the bits of `VecSum::add` on fresh lanes then
+/// `RowSum::total` row by row. A fresh sum's block widens exactly into its float64 lanes
+/// (`VecSum::add`) and leaves their error terms 0, so the total's `err += e + lo` is `err += e`
+/// here: `e + 0` differs from `e` only for `e = -0`, and adding either zero leaves `err`
+/// (which starts at +0 and so is never -0) unchanged.
+#[inline(always)]
+fn totals8(s: V4, q: [__m512; 8]) -> __m512d {
+    let f = s.avx512f;
+    let z = f._mm512_setzero_pd();
+    let (mut low, mut high) = ([z; 8], [z; 8]);
+    for k in 0..8 {
+        let halves: [__m256; 2] = pulp::cast(q[k]);
+        low[k] = f._mm512_add_pd(z, f._mm512_cvtps_pd(halves[0]));
+        high[k] = f._mm512_add_pd(z, f._mm512_cvtps_pd(halves[1]));
+    }
+    let (low, high) = (transpose8(s, low), transpose8(s, high));
+    let (mut sum, mut err) = (z, z);
+    for h in low.iter().chain(&high) {
+        let t = f._mm512_add_pd(sum, *h);
+        let bb = f._mm512_sub_pd(t, sum);
+        let e = f._mm512_add_pd(
+            f._mm512_sub_pd(sum, f._mm512_sub_pd(t, bb)),
+            f._mm512_sub_pd(*h, bb),
+        );
+        err = f._mm512_add_pd(err, e);
+        sum = t;
+    }
+    // `math::finish_total`: a sum that is not finite is the answer alone.
+    let finite = f._mm512_cmp_pd_mask::<_CMP_EQ_OQ>(f._mm512_sub_pd(sum, sum), z);
+    f._mm512_mask_blend_pd(finite, sum, f._mm512_add_pd(sum, err))
+}
+
+/// `rstd_of(sum, n, eps)` of 8 sums of squares, lane by lane (IEEE division and square root
+/// round the same in vectors as in scalars, and so does the narrowing to float32).
+#[inline(always)]
+fn rstd8(s: V4, sums: __m512d, n: usize, eps: f64) -> [f32; 8] {
+    let f = s.avx512f;
+    let mean = f._mm512_div_pd(sums, f._mm512_set1_pd(n as f64));
+    let root = f._mm512_sqrt_pd(f._mm512_add_pd(mean, f._mm512_set1_pd(eps)));
+    pulp::cast(f._mm512_cvtpd_ps(f._mm512_div_pd(f._mm512_set1_pd(1.0), root)))
+}
+
+/// The forward over narrow rows (a whole number of batches of [`NARROW_BATCH`]): each batch's
+/// sums of squares in float32 lanes as `GroupSums` takes them, their totals side by side
+/// ([`totals8`]), rstd, then the batch scaled, re-reading x from L1.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn narrow_forward<'w, X: Lane, W: Lane + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: &impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [X],
+    rstd: &mut [A],
+) {
+    let f = s.avx512f;
+    let batch = NARROW_BATCH * n;
+    for ((b, (xb, yb)), rb) in x
+        .chunks_exact(batch)
+        .zip(y.chunks_exact_mut(batch))
+        .enumerate()
+        .zip(rstd.chunks_exact_mut(NARROW_BATCH))
+    {
+        let mut q = [f._mm512_setzero_ps(); 8];
+        for (q, row) in q.iter_mut().zip(xb.chunks_exact(n)) {
+            for c in row.as_chunks::<LANES>().0 {
+                *q = add_square(s, *q, c);
+            }
+        }
+        let r = rstd8(s, totals8(s, q), n, eps.to_f64());
+        for (k, ((xr, yr), out)) in xb
+            .chunks_exact(n)
+            .zip(yb.chunks_exact_mut(n))
+            .zip(rb.iter_mut())
+            .enumerate()
+        {
+            // rstd is float32 here, so this conversion is exact.
+            *out = A::from_f64(r[k] as f64);
+            scale_row(s, xr, w_of(b * NARROW_BATCH + k), r[k], yr);
+        }
     }
 }
 

@@ -685,6 +685,11 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         (4096, 15, 1),
         (1040, 24, 3),
         (96, 20, 3),
+        // The narrow-row batches (8 rows, whole vectors, at most 256): batches with every row's
+        // own weight, a batch and a few rows after it, the longest narrow rows.
+        (64, 24, 24),
+        (64, 11, 1),
+        (256, 17, 2),
         (33, 12, 2),
         (16400, 9, 1),
         (140_000, 3, 1),
