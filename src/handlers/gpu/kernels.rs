@@ -102,7 +102,13 @@ pub static BACKWARD: KernelSignature = KernelSignature {
 /// `rmsnorm_bwd_finalize_*`: FINALIZE_ENTRY in rmsnorm.cu.
 pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     family: "rmsnorm_bwd_finalize",
-    params: &[("partial", Ptr), ("blocks", I32), ("n", I32), ("dw", Ptr)],
+    params: &[
+        ("partial", Ptr),
+        ("blocks", I32),
+        ("n", I32),
+        ("narrow", I32),
+        ("dw", Ptr),
+    ],
 };
 
 /// Kernels per (x, weight) combo: the three directions, each vectorized and scalar.
@@ -303,7 +309,8 @@ mod tests {
         assert_eq!(FORWARD.packed_bytes(), 4 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(RESIDUAL.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(BACKWARD.packed_bytes(), 6 * 8 + 4 + 4 + 8 + 8 + 8);
-        assert_eq!(FINALIZE_KERNEL.packed_bytes(), 8 + 4 + 4 + 8);
+        // partial, blocks, n, narrow, 4 bytes of padding, dw.
+        assert_eq!(FINALIZE_KERNEL.packed_bytes(), 8 + 4 + 4 + 4 + 4 + 8);
     }
 
     #[test]

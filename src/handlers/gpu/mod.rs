@@ -429,7 +429,7 @@ impl Execute for GpuBackward {
         );
         let (scratch, scratch_bytes) = slot.scratch();
         if dw.is_some() && per_group > 0 {
-            let needed = launch.grid as usize * n * kernels::wide_size_of(acc);
+            let needed = launch.grid as usize * n * plan::partial_value_bytes(x.dtype(), &launch);
             if needed > scratch_bytes {
                 return Err(FfiError::internal(format!(
                     "rmsnorm_bwd: the launch needs {needed} scratch bytes, the call site holds \
@@ -481,6 +481,7 @@ impl Execute for GpuBackward {
                 .ptr("partial", scratch)
                 .i32("blocks", blocks)
                 .i32("n", n as i32)
+                .i32("narrow", plan::narrow_partials(x.dtype(), &launch) as i32)
                 .ptr("dw", dwp)
                 .enqueue(stream)?;
         }

@@ -34,6 +34,10 @@ pub const SCRATCH_LIMIT_BYTES: usize = 256 << 20;
 /// without cuFuncSetAttribute, with room for the kernel's static shared memory.
 pub const SHARED_ROW_LIMIT_BYTES: usize = 32 << 10;
 
+/// Rows a backward thread sums in its accumulator type before adding them at the float64 level
+/// (rmsnorm.cu's `FOLD_ROWS`).
+pub const FOLD_ROWS: i64 = 8;
+
 /// The shape of one forward or backward launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -88,7 +92,11 @@ pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> L
 /// blocks: one per SM by the launch bounds), at least one per group, within
 /// [`SCRATCH_LIMIT_BYTES`] of partials. Several teams share a block only while the block's
 /// shared weight-gradient row fits [`SHARED_ROW_LIMIT_BYTES`]; longer rows get one team of 512
-/// (which adds into its partial row in global memory instead).
+/// (which adds into its partial row in global memory instead). Such blocks with float32
+/// accumulators take chunks of at most [`FOLD_ROWS`] rows (narrow partials, see
+/// [`narrow_partials`]) where that writes no more partial bytes than the float64 rows of about
+/// `sm_count` blocks: with few long rows the partials were 8-67% of the call's minimum traffic
+/// (docs/gpu-traffic.md), and a chunk of 8 rows is never folded in between.
 pub fn backward_launch(
     x: DataType,
     n: usize,
@@ -117,7 +125,16 @@ pub fn backward_launch(
         per_group = per_group.min(rows_in_limit / groups).max(1);
     }
     let per_group = wanted.min(per_group);
-    let chunk = rows_per_group.div_ceil(per_group).max(1);
+    let mut chunk = rows_per_group.div_ceil(per_group).max(1);
+    let one_team_f32 = has_weight && teams == 1 && wide == 8;
+    if one_team_f32 && chunk > FOLD_ROWS as usize {
+        let narrow_blocks = rows_per_group.div_ceil(FOLD_ROWS as usize);
+        if narrow_blocks * 4 <= per_group * wide
+            && groups * narrow_blocks * n.max(1) * 4 <= SCRATCH_LIMIT_BYTES
+        {
+            chunk = FOLD_ROWS as usize;
+        }
+    }
     let per_group = rows_per_group.div_ceil(chunk).max(1);
     Launch {
         grid: (groups * per_group).min(i32::MAX as usize) as u32,
@@ -129,8 +146,24 @@ pub fn backward_launch(
     }
 }
 
+/// Whether a backward launch's blocks write narrow partial rows (n float32 sums of at most
+/// [`FOLD_ROWS`] rows each, exact: rmsnorm.cu's `narrow`): one team per block, float32
+/// accumulators, chunks of at most [`FOLD_ROWS`] rows. The finalize is told (`narrow`).
+pub fn narrow_partials(x: DataType, launch: &Launch) -> bool {
+    wide_size_of(acc_dtype(x)) == 8 && launch.team == launch.block && launch.chunk <= FOLD_ROWS
+}
+
+/// Bytes per column of a backward launch's partial rows: 4 when narrow, else `Wide`'s.
+pub fn partial_value_bytes(x: DataType, launch: &Launch) -> usize {
+    if narrow_partials(x, launch) {
+        4
+    } else {
+        wide_size_of(acc_dtype(x))
+    }
+}
+
 /// Bytes of weight-gradient partials the backward launches of a call site use: one row of `n`
-/// `Wide` values per block (8 bytes, 16 for float64 input), for whichever of the vector and scalar plans has more blocks (the
+/// values per block ([`partial_value_bytes`]: 4 or 8 bytes, 16 for float64 input), for whichever of the vector and scalar plans has more blocks (the
 /// choice depends on buffer alignment, which can change from call to call). None without a
 /// weight, or with nothing to reduce.
 pub fn backward_scratch_bytes(
@@ -144,13 +177,15 @@ pub fn backward_scratch_bytes(
     if !has_weight || n == 0 || groups == 0 || rows_per_group == 0 {
         return 0;
     }
-    let blocks = [true, false]
+    [true, false]
         .into_iter()
         .filter(|&v| !v || n.is_multiple_of(vec_width(x, true)))
-        .map(|v| backward_launch(x, n, groups, rows_per_group, v, sm_count, true).grid as usize)
+        .map(|v| {
+            let l = backward_launch(x, n, groups, rows_per_group, v, sm_count, true);
+            l.grid as usize * n * partial_value_bytes(x, &l)
+        })
         .max()
-        .unwrap_or(0);
-    blocks * n * wide_size_of(acc_dtype(x))
+        .unwrap_or(0)
 }
 
 /// Whether every pointer is 16-byte aligned and rows are whole vectors (the `_v` kernels).
@@ -244,6 +279,33 @@ mod tests {
         );
     }
 
+    #[test]
+    fn few_long_rows_take_narrow_partials() {
+        // 2048 rows of 8192 bfloat16: 128 blocks of 16 rows would write 128 float64 rows and
+        // fold twice; 256 blocks of 8 write 256 float32 rows (the same bytes), never folded.
+        let l = backward_launch(DataType::BF16, 8192, 1, 2048, true, 132, true);
+        assert_eq!((l.grid, l.team, l.chunk), (256, 512, 8));
+        assert!(narrow_partials(DataType::BF16, &l));
+        assert_eq!(
+            backward_scratch_bytes(DataType::BF16, 8192, 1, 2048, 132, true),
+            256 * 8192 * 4
+        );
+        // 1024 rows of 16384: 128 blocks of 8 rows as before, now narrow (half the bytes).
+        let l = backward_launch(DataType::BF16, 16384, 1, 1024, true, 132, true);
+        assert_eq!((l.grid, l.chunk), (128, 8));
+        assert_eq!(partial_value_bytes(DataType::BF16, &l), 4);
+        // Many rows: the float64 rows of about one block per SM are fewer bytes.
+        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true);
+        assert_eq!((l.grid, l.chunk), (128, 32));
+        assert!(!narrow_partials(DataType::BF16, &l));
+        // Several teams per block (a shared-memory row) or float64 input: never narrow.
+        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 132, true);
+        assert!(!narrow_partials(DataType::F32, &l));
+        let l = backward_launch(DataType::F64, 8192, 1, 4, true, 132, true);
+        assert_eq!((l.team, l.chunk), (512, 1));
+        assert_eq!(partial_value_bytes(DataType::F64, &l), 16);
+    }
+
     /// The launches `make gpu-traffic` emulated and its table describes (written by
     /// tests/cuda_emulator/traffic.py from its own reading of this file's functions) are the
     /// ones these functions make.
@@ -301,7 +363,10 @@ mod tests {
             }
             checked += 1;
         }
-        assert!(checked >= 60, "{checked} plans in docs/gpu-traffic-plans.txt");
+        assert!(
+            checked >= 60,
+            "{checked} plans in docs/gpu-traffic-plans.txt"
+        );
     }
 
     #[test]

@@ -44,7 +44,9 @@
 //   partial into a Wide<A>: float64 for float32 partials (its rounding is 2^-29 of theirs), a
 //   compensated float64 pair (TwoSum) for float64 ones;
 // - the team's tree (warp shuffles, then one slot per warp) and the weight gradient's partial
-//   rows (8 bytes per column, 16 for float64 input) and finalize are Wide too;
+//   rows (8 bytes per column, 16 for float64 input) and finalize are Wide too, except the
+//   narrow partial rows of blocks with one team and at most FOLD_ROWS rows: their sums never
+//   left A, and a float32 row holds them exactly (4 bytes per column, the same finalize bits);
 // - rstd = 1 / sqrt(sum / n + eps) and the backward's coefficient are taken in float64 and
 //   rounded once to A (the CPU bundle's math.rs does the same).
 // Why this split on a GPU: the per-element work stays one float32 FMA, as in a plain float32
@@ -434,6 +436,58 @@ __device__ __forceinline__ void fold_rows(Wide<A>* wrow, A (&acc)[VPT][VEC], int
   }
 }
 
+// The block's narrow partial row: n float32 where the Wide row would be (rmsnorm_bwd_impl).
+template <typename A, typename S>
+__device__ __forceinline__ A* narrow_row(S* partial, int n) {
+  return reinterpret_cast<A*>(opaque(partial)) + (i64)blockIdx.x * n;
+}
+
+// Writes a one-team block's weight-gradient sums (acc, in A: at most FOLD_ROWS rows, never
+// folded) as its narrow partial row. A thread's pack k holds the columns of vector
+// lane + k * team, so a warp's 32 vectors are contiguous: 16-byte packs (float32, VEC 4) are
+// stored as they are; packs of 8 float32 (VEC 8: bfloat16, float16 input) are first transposed
+// among each 8 lanes (three xor-shuffle stages), after which store j of lane i in lane group g
+// writes element i of the group's vector j: each group's 8 lanes write one whole 32-byte sector.
+// Every lane of the warp takes every shuffle (k and the stages are uniform).
+template <typename A, int VEC, int VPT>
+__device__ __forceinline__ void store_narrow(A* nrow, A (&acc)[VPT][VEC], int team, int lane,
+                                             int nv) {
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int v = lane + k * team;
+    if constexpr (VEC == 8) {
+      const int i = lane & 7;
+      A(&a)[8] = acc[k];  // transposed in place (acc is not used after this)
+#pragma unroll
+      for (int s = 4; s >= 1; s >>= 1)
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if ((e & s) == 0) {
+            const bool upper = (i & s) != 0;
+            const A got = __shfl_xor_sync(0xffffffffu, upper ? a[e] : a[e | s], s);
+            if (upper)
+              a[e] = got;
+            else
+              a[e | s] = got;
+          }
+      // Lane i now holds element i of the vectors v - i + j, j = 0..7.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int u = v - i + j;
+        if (u < nv) {
+          EMU_GLOBAL(nrow + u * 8 + i, true);
+          nrow[u * 8 + i] = a[j];
+        }
+      }
+    } else if (v < nv) {
+      Pack<A, VEC> p;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) p.e[e] = acc[k][e];
+      store_pack<A, VEC>(nrow, v, p);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Backward: g = dy * w; dx = rstd * g - x * rstd^3 / n * sum(g * x); dw += dy * x * rstd.
 // Block b serves group g = b / blocks_per_group: rows [g * rows_per_group + (b % blocks_per_group)
@@ -469,7 +523,15 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   const i64 first = group_first + ((i64)blockIdx.x % blocks_per_group) * chunk;
   const i64 last = min(group_first + rows_per_group, first + chunk);
   const W* wg = w ? w + group * n : nullptr;
-  S* prow = partial ? partial + (i64)blockIdx.x * n : nullptr;
+  // Narrow partials: a block of one team (long rows) with at most FOLD_ROWS rows sums each
+  // column in A only (its float32 acc, never folded into the float64 level), and a float32 holds
+  // that sum exactly: its partial row is n float32, half the bytes, and the finalize's float64
+  // sum is bit for bit what it was from a float64 row (0.0 + the float32 sum). plan.rs gives
+  // few-rows-long-rows shapes such chunks (`narrow_partials`); the finalize takes `narrow`.
+  // The narrow row's address is computed where it is used (`narrow_row`): one more pointer held
+  // through the row loop made the kernels spill.
+  const bool narrow = partial && sizeof(A) == 4 && teams == 1 && chunk <= FOLD_ROWS;
+  S* prow = partial && !narrow ? partial + (i64)blockIdx.x * n : nullptr;
   A acc[VPT][VEC];
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
@@ -480,6 +542,14 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
       EMU_GLOBAL(prow + c, true);
       prow[c] = S::zero();
+    }
+    __syncthreads();
+  }
+  if (narrow && !cached) {
+    A* nrow = narrow_row<A>(partial, n);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      EMU_GLOBAL(nrow + c, true);
+      nrow[c] = A(0);
     }
     __syncthreads();
   }
@@ -589,6 +659,11 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
                 EMU_GLOBAL(prow + v * VEC + e, false);
                 EMU_GLOBAL(prow + v * VEC + e, true);
                 prow[v * VEC + e].add(ga * xa * r);
+              } else if (narrow) {
+                A* nrow = narrow_row<A>(partial, n);
+                EMU_GLOBAL(nrow + v * VEC + e, false);
+                EMU_GLOBAL(nrow + v * VEC + e, true);
+                nrow[v * VEC + e] += ga * xa * r;
               }
             }
           } else {
@@ -605,6 +680,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
                              nv, iterations == FOLD_ROWS);
   }
+  if (narrow && cached) store_narrow<A, VEC, VPT>(narrow_row<A>(partial, n), acc, team, lane, nv);
   if (!prow || !cached) return;
   if (iterations % FOLD_ROWS != 0 || iterations == 0)
     fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane, nv,
@@ -617,19 +693,23 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
 }
 
 // dw[g * n + c] = sum over b in 0..blocks (blocks per group), in order, of partial[(g * blocks +
-// b) * n + c], at the float64 level. Grid: ceil(n / 32) blocks per group g, groups one after
-// the other. Block (32, 8): lane x owns a column, lane y the partial rows b = y, y + 8, ...;
+// b) * n + c], at the float64 level (`narrow`: the partials are float32, see rmsnorm_bwd_impl,
+// each taken as 0.0 + its value: the bits of a float64 row holding it). Grid: ceil(n / 32)
+// blocks per group g, groups one after the other. Block (32, 8): lane x owns a column, lane y the partial rows b = y, y + 8, ...;
 // then the 8 sums are added in y order. Half-precision gradients are rounded through float32
 // (within one unit of the correctly rounded sum).
 template <typename A, typename W>
 __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restrict__ partial,
-                                                          int blocks, int n, W* __restrict__ dw) {
+                                                          int blocks, int n, int narrow,
+                                                          W* __restrict__ dw) {
   typedef Wide<A> S;
+  const A* __restrict__ npartial = reinterpret_cast<const A*>(partial);
   __shared__ S sums[8][33];
   const int column_blocks = (n + 31) / 32;
   const i64 group = (i64)blockIdx.x / column_blocks;
   const int c = (int)((i64)blockIdx.x % column_blocks) * 32 + threadIdx.x;
   partial += group * blocks * (i64)n;
+  npartial += group * blocks * (i64)n;
   dw += group * n;
   S s = S::zero();
   if (c < n) {
@@ -641,15 +721,30 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
       S q[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        EMU_GLOBAL(partial + (i64)(b + 8 * i) * n + c, false);
-        q[i] = partial[(i64)(b + 8 * i) * n + c];
+        const i64 at = (i64)(b + 8 * i) * n + c;
+        if (narrow) {
+          EMU_GLOBAL(npartial + at, false);
+          q[i] = S::zero();
+          q[i].add(npartial[at]);
+        } else {
+          EMU_GLOBAL(partial + at, false);
+          q[i] = partial[at];
+        }
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) s.merge(q[i]);
     }
     for (; b < blocks; b += 8) {
-      EMU_GLOBAL(partial + (i64)b * n + c, false);
-      s.merge(partial[(i64)b * n + c]);
+      const i64 at = (i64)b * n + c;
+      S q = S::zero();
+      if (narrow) {
+        EMU_GLOBAL(npartial + at, false);
+        q.add(npartial[at]);
+      } else {
+        EMU_GLOBAL(partial + at, false);
+        q = partial[at];
+      }
+      s.merge(q);
     }
   }
   sums[threadIdx.y][threadIdx.x] = s;
@@ -716,8 +811,8 @@ STAMP(f16, f16_t, f32, float)
 
 #define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
   extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \
-      const Wide<A>* partial, int blocks, int n, W* dw) {                                     \
-    rmsnorm_bwd_finalize_impl<A, W>(partial, blocks, n, dw);                                  \
+      const Wide<A>* partial, int blocks, int n, int narrow, W* dw) {                         \
+    rmsnorm_bwd_finalize_impl<A, W>(partial, blocks, n, narrow, dw);                          \
   }
 
 FINALIZE_ENTRY(f32, float, f32, float)

@@ -252,7 +252,15 @@ Launch plan_backward(Type x, uint64_t n, uint64_t groups, uint64_t rows_per_grou
     per_group = std::max(std::min(per_group, rows_in_limit / groups), (uint64_t)1);
   }
   per_group = std::min(wanted, per_group);
-  const uint64_t chunk = std::max((rows_per_group + per_group - 1) / per_group, (uint64_t)1);
+  uint64_t chunk = std::max((rows_per_group + per_group - 1) / per_group, (uint64_t)1);
+  // Narrow partials (float32 rows of chunks of at most FOLD_ROWS = 8 rows) where they write no
+  // more bytes than the float64 rows.
+  if (has_weight && teams == 1 && wide == 8 && chunk > 8) {
+    const uint64_t narrow_blocks = (rows_per_group + 7) / 8;
+    if (narrow_blocks * 4 <= per_group * wide &&
+        groups * narrow_blocks * std::max(n, (uint64_t)1) * 4 <= (256ull << 20))
+      chunk = 8;
+  }
   per_group = std::max((rows_per_group + chunk - 1) / chunk, (uint64_t)1);
   return Launch{std::min(groups * per_group, (uint64_t)0x7fffffff), block, team, shared, chunk,
                 per_group};
@@ -416,7 +424,9 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
              (unsigned long long)l.team);
   } else {
     const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, true);
-    const size_t wide = wide_bytes_of(acc_of(xt));
+    // plan.rs's narrow_partials: float32 partial rows.
+    const bool narrow = acc_of(xt) == F32 && l.team == l.block && l.chunk <= 8;
+    const size_t wide = narrow ? 4 : wide_bytes_of(acc_of(xt));
     Mem x(count * xb), w(n * xb), rstd(rows * ab), dy(count * xb), dx(count * xb),
         partial(l.grid * n * wide), dw(n * xb);
     add_buffer("x", x, count * xb, false);
@@ -435,7 +445,8 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
     launches.push_back(run(std::string("rmsnorm_bwd_finalize_") + kName[acc_of(xt)] + "_w" +
                                kName[xt],
                            f, emu::Dim{32, 8, 1},
-                           {partial.addr(), l.blocks_per_group, n, dw.addr()}, false));
+                           {partial.addr(), l.blocks_per_group, n, (uint64_t)narrow, dw.addr()},
+                           false));
     snprintf(plan, sizeof plan,
              "bwd %s %s n=%llu rows=%llu sms=%d grid=%llu block=%llu team=%llu shared=%llu "
              "chunk=%llu blocks_per_group=%llu",
