@@ -974,12 +974,22 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
     for g0 in (0..rows).step_by(group) {
         let g1 = (g0 + group).min(rows);
         let (mut r, mut c) = ([0f32; BACKWARD_GROUP_ROWS], [0f32; BACKWARD_GROUP_ROWS]);
+        let mut i = g0;
+        if narrow(n) {
+            // Narrow rows: batches of 8 (see `narrow_sums`), the last few in pairs below.
+            while i + NARROW_BATCH <= g1 {
+                let span = i * n..(i + NARROW_BATCH) * n;
+                let (rb, cb) = narrow_sums(s, &x[span.clone()], &dy[span], n, w, rstd, i);
+                r[i - g0..][..NARROW_BATCH].copy_from_slice(&rb);
+                c[i - g0..][..NARROW_BATCH].copy_from_slice(&cb);
+                i += NARROW_BATCH;
+            }
+        }
         let mut factors = |i: usize, sums: (f64, f64)| {
             let (ri, ci) = row_factors(rstd, i, sums, n);
             // A is float32 here, so the conversions are exact.
             (r[i - g0], c[i - g0]) = (ri.to_f64() as f32, ci.to_f64() as f32);
         };
-        let mut i = g0;
         while i < g1 {
             if i + 1 < g1 {
                 let [dot_a, sq_a, dot_b, sq_b] = VecSum::totals(row_sums_pair(
@@ -1009,6 +1019,46 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
             acc,
         );
     }
+}
+
+/// The backward's first pass over a batch of 8 narrow rows (`narrow`), rows `first..` of
+/// `rstd`: each row's dot product `sum(g * x)` (and, when rstd is not given, its sum of
+/// squares) in float32 lanes as [`row_sums_pair`] takes them, their totals side by side
+/// ([`totals8`]), then each row's `(rstd, c)` as `math::row_factors` takes them, lane by lane.
+#[inline(always)]
+fn narrow_sums<X: Lane, W: Lane, A: Accum>(
+    s: V4,
+    x: &[X],
+    dy: &[X],
+    n: usize,
+    w: &[W],
+    rstd: Rstd<'_, A>,
+    first: usize,
+) -> ([f32; 8], [f32; 8]) {
+    let f = s.avx512f;
+    let z = f._mm512_setzero_ps();
+    let (mut dots, mut squares) = ([z; 8], [z; 8]);
+    let wc = w.as_chunks::<LANES>().0;
+    for k in 0..NARROW_BATCH {
+        let (xc, dc) = (
+            x[k * n..(k + 1) * n].as_chunks::<LANES>().0,
+            dy[k * n..(k + 1) * n].as_chunks::<LANES>().0,
+        );
+        let (mut dot, mut sq) = (z, z);
+        for ((xs, ds), ws) in xc.iter().zip(dc).zip(wc) {
+            (dot, sq) = sums_step(s, (dot, sq), xs, ds, W::load(s, ws));
+        }
+        (dots[k], squares[k]) = (dot, sq);
+    }
+    let r: [f32; 8] = match rstd {
+        // A is float32 here, so the conversions are exact.
+        Rstd::Given(given) => std::array::from_fn(|k| given[first + k].to_f64() as f32),
+        Rstd::FromX(eps) => rstd8(s, totals8(s, squares), n, eps.to_f64()),
+    };
+    // `math::coefficient`: dot / n * r in float64, rounded once.
+    let r64 = f._mm512_cvtps_pd(pulp::cast(r));
+    let mean = f._mm512_div_pd(totals8(s, dots), f._mm512_set1_pd(n as f64));
+    (r, pulp::cast(f._mm512_cvtpd_ps(f._mm512_mul_pd(mean, r64))))
 }
 
 /// `(sum(g * x), sum(x^2))` with `g = dy * w` of two rows (`x`, `dy`) sharing the weight, each
