@@ -13,7 +13,10 @@
 //! 2. backward: the dot products and the sums of squares of two rows at a time;
 //! 3. backward: the second pass (dx and the weight gradient) in column tiles over a group of
 //!    rows, so a tile of the weight and of the float64 gradient row stays in L1 while every row
-//!    uses it, and the group's x and dy are re-read from L2.
+//!    uses it, and the group's x and dy are re-read from L2;
+//! 4. narrow rows (whole vectors, up to 256 elements), in the forward and the backward's first
+//!    pass: batches of 8 rows whose sums' totals run side by side, one row per float64 lane
+//!    (see `narrow`).
 //!
 //! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
 //! AVX-512 context it is compiled into. A second `V4::vectorize` nested in that context kept
