@@ -51,30 +51,43 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import dtypes as flax_dtypes
 
-from rmsnorm_ffi._ops import rms_norm, rms_norm_residual
+from rmsnorm_ffi._ops import _trailing_axes, rms_norm, rms_norm_residual
 
 _F32 = jnp.dtype(jnp.float32)
 _F64 = jnp.dtype(jnp.float64)
 
 
-def _last_axis_only(name: str, axes, ndim: int) -> None:
-    """Raises ValueError unless `axes` names exactly the last axis of an `ndim`-array."""
-    items = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-    ok = all(isinstance(a, int) and -ndim <= a < ndim for a in items)
-    if not ok or {a % ndim for a in items} != {ndim - 1}:
+def _axes(module, x) -> tuple[int, tuple[bool, ...]]:
+    """The number k of trailing axes the module normalizes over, and which of them are feature
+    axes (the scale's; along the others it broadcasts, as in flax's `_normalize`). `reduction_axes` must name the last k axes of x (the Rust op
+    normalizes rows made of them); `feature_axes` must be among those."""
+    name = "rmsnorm_ffi.RMSNorm"
+    try:
+        k = _trailing_axes(name, module.reduction_axes, x.ndim)
+    except (TypeError, ValueError) as e:
         raise ValueError(
-            f"rmsnorm_ffi.RMSNorm: {name} must be the last axis (-1 or {ndim - 1} for a "
-            f"{ndim}-d input), got {axes!r}; the Rust op normalizes over the last axis only "
-            "(use flax.linen.RMSNorm for other axes)"
+            f"{name}: reduction_axes must name trailing axes of x ({e}); the Rust op normalizes "
+            "over the last axes only (use flax.linen.RMSNorm for others)"
+        ) from None
+    trailing = range(x.ndim - k, x.ndim)
+    items = tuple(module.feature_axes) if isinstance(module.feature_axes, (tuple, list)) else (module.feature_axes,)
+    ok = items and all(isinstance(a, int) and not isinstance(a, bool) and -x.ndim <= a < x.ndim for a in items)
+    features = {a % x.ndim for a in items} if ok else set()
+    if not ok or not features <= set(trailing):
+        raise ValueError(
+            f"{name}: feature_axes must be among the normalized axes {tuple(a - x.ndim for a in trailing)} "
+            f"of a {x.ndim}-d input, got {module.feature_axes!r} (a scale that varies along another "
+            "axis is not one weight row; use flax.linen.RMSNorm for that)"
         )
+    return k, tuple(a in features for a in trailing)
 
 
-def _check_options(module, x, mask):
-    """The options both modules support: last axis only, no cross-device statistics, no mask."""
+def _check_options(module, x, mask) -> tuple[int, tuple[bool, ...]]:
+    """The options both modules support: trailing axes (see `_axes`, whose result this
+    returns), no cross-device statistics, no mask."""
     if x.ndim < 1:
         raise ValueError("rmsnorm_ffi.RMSNorm: x must have at least one axis, got a scalar")
-    _last_axis_only("reduction_axes", module.reduction_axes, x.ndim)
-    _last_axis_only("feature_axes", module.feature_axes, x.ndim)
+    axes = _axes(module, x)
     if module.axis_name is not None or module.axis_index_groups is not None:
         raise ValueError(
             "rmsnorm_ffi.RMSNorm: axis_name/axis_index_groups (statistics across devices) are "
@@ -82,13 +95,15 @@ def _check_options(module, x, mask):
         )
     if mask is not None:
         raise ValueError("rmsnorm_ffi.RMSNorm: mask is not supported (use flax's RMSNorm)")
+    return axes
 
 
-def _normalize(x, scale, dtype, epsilon, residual=None):
+def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,))):
     """flax's RMS normalization of `x` (an array) by `scale` (an array or None) with flax's dtype
     rules (see the module docstring), computed by `rms_norm`. With a `residual` (x's shape and
     dtype), the normalization of ``h = x + residual`` instead, and ``(y, h)`` is returned: the
-    fused `rms_norm_residual` when the op runs in x's dtype, else the add then the norm."""
+    fused `rms_norm_residual` when the op runs in x's dtype, else the add then the norm. `axes`:
+    `_axes`'s (k trailing axes, and which are the scale's: it broadcasts along the others)."""
     if residual is not None:
         residual = jnp.asarray(residual)
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -118,13 +133,20 @@ def _normalize(x, scale, dtype, epsilon, residual=None):
         # The op takes a weight of x's dtype or float32; either holds the scale exactly
         # (a float64 scale makes the op's dtype float64).
         weight = scale if scale.dtype == op_dtype else scale.astype(_F64 if op_dtype == _F64 else _F32)
+    k, features = axes
+    axis = tuple(range(-k, 0))
+    if weight is not None and k > 1:
+        scale_shape = tuple(d if f else 1 for d, f in zip(x.shape[x.ndim - k:], features))
+        # The op's weight has the normalized axes' shape; the scale broadcasts along the
+        # reduced axes that are not feature axes (its gradient sums over them).
+        weight = jnp.broadcast_to(weight.reshape(scale_shape), x.shape[x.ndim - k:])
     if residual is None:
-        return rms_norm(x.astype(op_dtype), weight, epsilon).astype(out_dtype)
+        return rms_norm(x.astype(op_dtype), weight, epsilon, axis=axis).astype(out_dtype)
     if op_dtype == x.dtype:
-        y, h = rms_norm_residual(x, residual, weight, epsilon)
+        y, h = rms_norm_residual(x, residual, weight, epsilon, axis=axis)
         return y.astype(out_dtype), h
     h = x + residual
-    return rms_norm(h.astype(op_dtype), weight, epsilon).astype(out_dtype), h
+    return rms_norm(h.astype(op_dtype), weight, epsilon, axis=axis).astype(out_dtype), h
 
 
 class RMSNorm(nn.RMSNorm):
@@ -133,8 +155,10 @@ class RMSNorm(nn.RMSNorm):
     Same fields, parameter, dtype rules and result dtypes as flax's module; values equal flax's
     up to float32 rounding, not bit for bit (measured: half-precision results within 1 ulp,
     float32 within 5-6 ulp, float64 within 8 ulp, or 2.3 float32 ulp where flax's statistics
-    are float32; see the module docstring). Supported: `reduction_axes` and `feature_axes` equal to the last axis
-    (the default), no `axis_name`/`axis_index_groups`, no `mask`, `force_float32_reductions=True`.
+    are float32; see the module docstring). Supported: `reduction_axes` naming the last axis (the
+    default) or the last k axes (e.g. `(-2, -1)`), `feature_axes` among them (the scale then
+    broadcasts along the others, as in flax), no `axis_name`/`axis_index_groups`, no `mask`,
+    `force_float32_reductions=True`.
     `use_fast_variance` is accepted and has no effect (RMS norm has no mean to subtract).
     Anything else raises `ValueError`.
     """
@@ -144,7 +168,7 @@ class RMSNorm(nn.RMSNorm):
         """The norm of `x`; with `residual` (x's shape and dtype), ``(norm(h), h)`` for
         ``h = x + residual``, the add fused with the norm where the dtypes allow."""
         x = jnp.asarray(x)
-        _check_options(self, x, mask)
+        axes = _check_options(self, x, mask)
         if not self.force_float32_reductions:
             raise ValueError(
                 "rmsnorm_ffi.RMSNorm: force_float32_reductions=False is not supported; the op "
@@ -152,9 +176,12 @@ class RMSNorm(nn.RMSNorm):
             )
         scale = None
         if self.use_scale:
-            scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
+            # flax's shape: the feature axes' lengths, in axis order.
+            k, features = axes
+            shape = tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
+            scale = self.param("scale", self.scale_init, shape, self.param_dtype)
             scale = jnp.asarray(scale)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes)
 
 
 class NnxRMSNorm(nnx.RMSNorm):
@@ -179,5 +206,5 @@ class NnxRMSNorm(nnx.RMSNorm):
             if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
                 residual = residual.astype(x.dtype)
         scale = None if scale is None else jnp.asarray(scale)
-        _check_options(self, x, mask)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual)
+        axes = _check_options(self, x, mask)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes)

@@ -50,27 +50,63 @@ def _check_array(op: str, name: str, value):
     return value
 
 
-def _check_x(op: str, x):
+def _trailing_axes(op: str, axis, ndim: int) -> int:
+    """How many trailing axes of an `ndim`-array `axis` names (an int or a tuple of ints, as
+    Flax's `reduction_axes` and Haiku's `axis` take them): the op normalizes over the last k
+    axes together. Anything else raises, naming the axes."""
+    items = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    if not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items):
+        raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
+    for a in items:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {a} is out of range for x with {ndim} axes")
+    axes = sorted({int(a) % ndim for a in items})
+    if len(axes) != len(items):
+        raise ValueError(f"{op}: axis {axis!r} names an axis twice")
+    k = len(axes)
+    others = [a for a in axes if a < ndim - k]
+    if others:
+        raise ValueError(
+            f"{op}: axis must name trailing axes (the last {k} of x's {ndim}), got {axis!r}: "
+            f"{'axes' if len(others) > 1 else 'axis'} {', '.join(map(str, others))} "
+            f"{'are' if len(others) > 1 else 'is'} not trailing; move {'them' if len(others) > 1 else 'it'} "
+            "last (jnp.moveaxis) first"
+        )
+    return k
+
+
+def _check_x(op: str, x, axis=-1):
+    """x as an array, and how many trailing axes are normalized (see `_trailing_axes`)."""
     x = _check_array(op, "x", x)
     if x.ndim < 1:
         raise ValueError(f"{op}: x must have at least one axis (normalization is over the last), got a scalar")
-    if x.shape[-1] > MAX_ROW_LEN:
-        raise ValueError(f"{op}: x's last axis has {x.shape[-1]} elements; at most {MAX_ROW_LEN} are supported")
-    return x
+    k = _trailing_axes(op, axis, x.ndim)
+    n = math.prod(x.shape[x.ndim - k:])
+    if n > MAX_ROW_LEN:
+        what = "last axis has" if k == 1 else f"last {k} axes have"
+        raise ValueError(f"{op}: x's {what} {n} elements; at most {MAX_ROW_LEN} are supported")
+    return x, k
 
 
-def _check_weight(op: str, x, weight):
+def _rows(a, k: int):
+    """`a` with its last `k` axes merged into one (the op's rows)."""
+    return a if k == 1 else a.reshape(a.shape[: a.ndim - k] + (math.prod(a.shape[a.ndim - k:]),))
+
+
+def _check_weight(op: str, x, weight, k: int = 1):
+    """The weight checked against x's last `k` axes, with those merged (see `_rows`)."""
     if weight is None:
         return None
     weight = _check_array(op, "weight", weight)
-    n = x.shape[-1]
-    if weight.shape != (n,):
-        raise ValueError(f"{op}: weight must have shape ({n},) to match x's last axis, got {tuple(weight.shape)}")
+    want = tuple(x.shape[x.ndim - k:])
+    if weight.shape != want:
+        axes = "last axis" if k == 1 else f"last {k} axes"
+        raise ValueError(f"{op}: weight must have shape {want} to match x's {axes}, got {tuple(weight.shape)}")
     if (jnp.dtype(x.dtype), jnp.dtype(weight.dtype)) not in _PAIRS:
         others = [str(w) for (xd, w) in _PAIRS if xd == jnp.dtype(x.dtype) and w != xd]
         also = "".join(f" or {w}" for w in others)
         raise TypeError(f"{op}: weight must have x's dtype ({x.dtype}){also}, got {weight.dtype}")
-    return weight
+    return weight.reshape(-1) if k > 1 else weight
 
 
 def _check_eps(op: str, eps) -> float:
@@ -113,62 +149,71 @@ def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
         )
 
 
-def rms_norm_fwd(x, weight=None, eps: float = 1e-5):
+def rms_norm_fwd(x, weight=None, eps: float = 1e-5, *, axis=-1):
     """Forward pass: returns ``(y, rstd)`` with ``rstd.shape == x.shape[:-1]`` (float32, or
-    float64 for float64 input) and ``y = x * rstd[..., None] * weight``."""
+    float64 for float64 input) and ``y = x * rstd[..., None] * weight``. With ``axis`` naming
+    the last k axes, over those together: rstd has x's shape without them."""
     op = "rms_norm_fwd"
-    x = _check_x(op, x)
-    weight = _check_weight(op, x, weight)
+    x, k = _check_x(op, x, axis)
+    weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
     _check_platform(op)
-    return _primitives.forward(x, weight, eps)
+    y, rstd = _primitives.forward(_rows(x, k), weight, eps)
+    return y.reshape(x.shape), rstd
 
 
-def rms_norm_bwd(x, weight, rstd, dy):
-    """Backward pass: returns ``(dx, dweight)``; ``dweight`` is None when ``weight`` is None."""
+def rms_norm_bwd(x, weight, rstd, dy, *, axis=-1):
+    """Backward pass: returns ``(dx, dweight)``; ``dweight`` is None when ``weight`` is None.
+    ``axis`` as for :func:`rms_norm_fwd`."""
     op = "rms_norm_bwd"
-    x = _check_x(op, x)
-    weight = _check_weight(op, x, weight)
+    x, k = _check_x(op, x, axis)
+    weight_shape = None if weight is None else jnp.shape(weight)
+    weight = _check_weight(op, x, weight, k)
     rstd = _check_array(op, "rstd", rstd)
     dy = _check_array(op, "dy", dy)
     acc = _acc_dtype(x.dtype)
-    if rstd.shape != x.shape[:-1] or jnp.dtype(rstd.dtype) != acc:
+    lead = tuple(x.shape[: x.ndim - k])
+    if rstd.shape != lead or jnp.dtype(rstd.dtype) != acc:
         raise ValueError(
-            f"{op}: rstd must have shape {tuple(x.shape[:-1])} and dtype {acc}, got {tuple(rstd.shape)} {rstd.dtype}"
+            f"{op}: rstd must have shape {lead} and dtype {acc}, got {tuple(rstd.shape)} {rstd.dtype}"
         )
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     _check_platform(op, BACKWARD_TARGET)
-    return _primitives.backward(x, weight, rstd, dy)
+    dx, dweight = _primitives.backward(_rows(x, k), weight, rstd, _rows(dy, k))
+    return dx.reshape(x.shape), None if dweight is None else dweight.reshape(weight_shape)
 
 
-def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5):
+def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, axis=-1):
     """The residual add of a pre-norm transformer block fused with the norm: returns
     ``(y, h)`` with ``h = x + residual`` (rounded to x's dtype, as jnp's ``x + residual``) and
     ``y = rms_norm(h, weight, eps)``, in one pass that reads x and the residual and writes h
     and y. ``residual`` has x's shape and dtype. Differentiable in x, the residual and the
     weight (the gradients of y and h both flow into x and the residual), under the same
-    transformations as :func:`rms_norm`.
+    transformations as :func:`rms_norm`. ``axis`` as for :func:`rms_norm`.
     """
     op = "rms_norm_residual"
-    x = _check_x(op, x)
+    x, k = _check_x(op, x, axis)
     residual = _check_array(op, "residual", residual)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
             f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
             f"got {tuple(residual.shape)} {residual.dtype}"
         )
-    weight = _check_weight(op, x, weight)
+    weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
     _check_platform(op, RESIDUAL_TARGET)
-    y, h, _ = _primitives.residual_forward(x, residual, weight, eps)
-    return y, h
+    y, h, _ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps)
+    return y.reshape(x.shape), h.reshape(x.shape)
 
 
-def rms_norm(x, weight=None, eps: float = 1e-5):
+def rms_norm(x, weight=None, eps: float = 1e-5, *, axis=-1):
     """RMS norm over the last axis: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
-    ``weight``, when given, has shape ``(x.shape[-1],)`` and x's dtype or float32. Returns an
+    ``axis``: the last axis (-1), or a tuple naming the last k axes (e.g. ``(-2, -1)``, as
+    Flax's ``reduction_axes`` and Haiku's ``axis``), normalized over together; axes that are not
+    trailing raise ``ValueError``, naming them. ``weight``, when given, has the shape of those
+    axes (``(x.shape[-1],)`` by default) and x's dtype or float32. Returns an
     array of x's shape and dtype, typed (sharding, varying manual axes) like x. Differentiable
     in ``x`` and ``weight`` in both modes and to any order (first-order reverse mode is the
     fused Rust backward; higher derivatives add jnp math); works under ``jit``, ``vmap``,
@@ -176,14 +221,17 @@ def rms_norm(x, weight=None, eps: float = 1e-5):
     input).
     """
     op = "rms_norm"
-    x = _check_x(op, x)
-    weight = _check_weight(op, x, weight)
+    x, k = _check_x(op, x, axis)
+    weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
     _check_platform(op)
-    return _primitives.forward(x, weight, eps)[0]
+    return _primitives.forward(_rows(x, k), weight, eps)[0].reshape(x.shape)
 
 
-def rms_norm_reference(x, weight=None, eps: float = 1e-5):
+def rms_norm_reference(x, weight=None, eps: float = 1e-5, *, axis=-1):
     """The same computation in jnp (float32 accumulation; float64 for float64 input), for tests
     and benchmarks."""
-    return _math.reference(x, weight, eps)
+    x = jnp.asarray(x)
+    k = _trailing_axes("rms_norm_reference", axis, x.ndim)
+    w = None if weight is None else jnp.asarray(weight).reshape(-1)
+    return _math.reference(_rows(x, k), w, eps).reshape(x.shape)

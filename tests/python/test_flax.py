@@ -147,11 +147,40 @@ def test_inside_a_model_under_jit_and_vmap():
     np.testing.assert_allclose(np.asarray(y), np.asarray(per_example), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("axes", [0, (0, 1), (-2,), (1, 2), 3, -4])
-def test_reduction_axes_other_than_last_are_rejected(axes):
+@pytest.mark.parametrize("axes", [0, (0, 1), (-2,), (0, 2), 3, -4])
+def test_reduction_axes_that_are_not_trailing_are_rejected(axes):
     x = _input(jnp.float32)
-    with pytest.raises(ValueError, match="reduction_axes must be the last axis"):
+    with pytest.raises(ValueError, match="reduction_axes must name trailing axes of x"):
         rmsnorm_ffi.RMSNorm(reduction_axes=axes).init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "reduction_axes, feature_axes, scale_shape",
+    [
+        ((1, 2), (1, 2), (5, 96)),  # a scale over both normalized axes
+        ((-2, -1), -1, (96,)),  # a scale along the last, broadcast along the other
+        ((1, 2), (1,), (5,)),  # ... or along the first
+    ],
+)
+def test_trailing_reduction_axes_match_flax(reduction_axes, feature_axes, scale_shape, dtype):
+    x = _input(dtype)
+    kwargs = dict(reduction_axes=reduction_axes, feature_axes=feature_axes, param_dtype=dtype)
+    ours, theirs = rmsnorm_ffi.RMSNorm(**kwargs), nn.RMSNorm(**kwargs)
+    variables = theirs.init(jax.random.key(0), x)
+    assert ours.init(jax.random.key(0), x)["params"]["scale"].shape == scale_shape
+    variables = jax.tree.map(lambda s: s * (1 + 0.1 * jax.random.normal(jax.random.key(3), s.shape)).astype(s.dtype), variables)
+    rtol, atol = TOLERANCES[jnp.dtype(dtype)]
+    _assert_close(ours.apply(variables, x), theirs.apply(variables, x), rtol, atol)
+    cotangent = jax.random.normal(jax.random.key(4), x.shape, jnp.float32)
+
+    def grads(module):
+        return jax.grad(lambda v, x: jnp.sum(module.apply(v, x).astype(jnp.float32) * cotangent), (0, 1))(variables, x)
+
+    (dv_got, dx_got), (dv_want, dx_want) = grads(ours), grads(theirs)
+    _assert_close(dx_got, dx_want, rtol, atol)
+    # The scale's gradient sums over 15 rows (and over the broadcast axis): its rounding grows.
+    _assert_close(dv_got["params"]["scale"], dv_want["params"]["scale"], rtol, atol * 100)
 
 
 @pytest.mark.parametrize("axes", [-1, 2, (-1,), [2]])
@@ -166,7 +195,8 @@ def test_last_axis_spelled_any_way_is_accepted(axes):
 @pytest.mark.parametrize(
     "kwargs, call_kwargs, message",
     [
-        ({"feature_axes": 0}, {}, "feature_axes must be the last axis"),
+        ({"feature_axes": 0}, {}, r"feature_axes must be among the normalized axes \(-1,\)"),
+        ({"reduction_axes": (-2, -1), "feature_axes": (0, -1)}, {}, r"feature_axes must be among the normalized axes \(-2, -1\)"),
         ({"axis_name": "batch"}, {}, "axis_name"),
         ({"force_float32_reductions": False}, {}, "force_float32_reductions"),
         ({}, {"mask": jnp.ones((3, 5, 96), bool)}, "mask"),
@@ -276,9 +306,12 @@ def test_nnx_without_scale_and_bad_axes():
     x = _input(jnp.float32)
     ours, theirs = _nnx_pair(x.shape[-1], use_scale=False)
     _assert_close(ours(x), theirs(x), *TOLERANCES[jnp.dtype(jnp.float32)])
-    bad, _ = _nnx_pair(x.shape[-1], reduction_axes=(1, 2))
-    with pytest.raises(ValueError, match="reduction_axes must be the last axis"):
+    bad, _ = _nnx_pair(x.shape[-1], reduction_axes=(0, 2))
+    with pytest.raises(ValueError, match="reduction_axes must name trailing axes of x"):
         bad(x)
+    # Trailing reduction axes, the scale along the last (nnx's scale has num_features).
+    ours, theirs = _nnx_pair(x.shape[-1], reduction_axes=(1, 2))
+    _assert_close(ours(x), theirs(x), *TOLERANCES[jnp.dtype(jnp.float32)])
 
 
 def _identity_promote(args, dtype=None):
