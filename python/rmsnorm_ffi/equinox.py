@@ -1,0 +1,59 @@
+"""`rmsnorm_ffi.equinox.RMSNorm`: a drop-in for `equinox.nn.RMSNorm` whose normalization runs in
+the Rust bundle. Importing this module imports equinox, an optional dependency
+(`pip install 'rmsnorm_ffi[equinox]'`).
+
+The class subclasses equinox's, so it has exactly its fields, constructor (`shape`, `eps`,
+`use_weight`, `use_bias`, `dtype`), parameters (`weight`, `bias`) and tree structure: a model
+built with one loads the other's parameters. Only `__call__` differs. As in equinox, the module
+normalizes one example over all of `shape` (`x.shape == shape`, else `ValueError`; batch with
+`jax.vmap`, which becomes one call of the op over all the rows), and equinox's dtype rules hold:
+the math runs in `result_type(x, float32)` (float32, float64 for float64 x), the weight and the
+bias are cast to it, and the result is cast back to x's dtype once. The op computes
+`(x * rstd) * weight` and rounds once to x's dtype; with a bias it computes in that dtype, adds
+the bias there and rounds once (as equinox does), so results equal equinox's up to the float32
+rounding of a different summation order, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from rmsnorm_ffi._ops import rms_norm
+
+_SENTINEL = object()
+
+
+class RMSNorm(eqx.nn.RMSNorm):
+    """`equinox.nn.RMSNorm` with the normalization computed by `rmsnorm_ffi.rms_norm` over all of
+    `shape` (its trailing axes; see the module docstring)."""
+
+    def __call__(self, x, state=_SENTINEL, *, key=None):
+        """The norm of `x` (shape `self.shape`); with `state`, ``(y, state)``, the state passed
+        through unchanged (equinox's BatchNorm-compatible form). `key` is ignored."""
+        x = jnp.asarray(x)
+        if x.shape != self.shape:
+            raise ValueError(
+                "rmsnorm_ffi.equinox.RMSNorm: x must have the module's shape (`shape == x.shape`), "
+                f"got shape={self.shape} and x.shape={x.shape}; for a batch, use jax.vmap(norm)(x)"
+            )
+        if x.ndim == 0:
+            raise ValueError("rmsnorm_ffi.equinox.RMSNorm: shape () normalizes nothing; give x at least one axis")
+        orig_dtype = x.dtype
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(x.dtype, jnp.float32)
+        weight = self.weight.astype(dtype) if self.use_weight else None
+        axis = tuple(range(-x.ndim, 0))
+        if self.use_bias:
+            # equinox adds the bias before its one rounding: the op runs in the compute dtype.
+            out = (rms_norm(x.astype(dtype), weight, self.eps, axis=axis) + self.bias.astype(dtype)).astype(orig_dtype)
+        else:
+            # The op takes x in its own dtype, computes in float32 (float64) and rounds once.
+            out = rms_norm(x, weight, self.eps, axis=axis)
+        if state is _SENTINEL:
+            return out
+        return out, state
+
+
+__all__ = ["RMSNorm"]
