@@ -420,16 +420,10 @@ impl RowSum {
         std::array::from_fn(|k| finish_total(sum[k], err[k]))
     }
 
-    /// The sum, in float64.
+    /// The sum, in float64: [`RowSum::totals`] of this one sum.
     #[inline(always)]
     pub fn total(self) -> f64 {
-        let (mut sum, mut err) = (0.0f64, 0.0f64);
-        for l in 0..LANES {
-            let (s, e) = two_sum(sum, self.hi[l]);
-            sum = s;
-            err += e + self.lo[l];
-        }
-        finish_total(sum, err)
+        RowSum::totals([self])[0]
     }
 }
 

@@ -416,18 +416,12 @@ fn totals8(s: V4, q: [__m512; 8]) -> __m512d {
     let (mut low, mut high) = ([z; 8], [z; 8]);
     for k in 0..8 {
         let halves: [__m256; 2] = pulp::cast(q[k]);
-        low[k] = f._mm512_add_pd(z, f._mm512_cvtps_pd(halves[0]));
-        high[k] = f._mm512_add_pd(z, f._mm512_cvtps_pd(halves[1]));
+        (low[k], high[k]) = (widen_fresh(s, halves[0]), widen_fresh(s, halves[1]));
     }
     let (low, high) = (transpose8(s, low), transpose8(s, high));
     let (mut sum, mut err) = (z, z);
     for h in low.iter().chain(&high) {
-        let t = f._mm512_add_pd(sum, *h);
-        let bb = f._mm512_sub_pd(t, sum);
-        let e = f._mm512_add_pd(
-            f._mm512_sub_pd(sum, f._mm512_sub_pd(t, bb)),
-            f._mm512_sub_pd(*h, bb),
-        );
+        let (t, e) = two_sum8(s, sum, *h);
         err = f._mm512_add_pd(err, e);
         sum = t;
     }
@@ -584,6 +578,27 @@ struct VecSum {
     fresh: bool,
 }
 
+/// `a + b` and its exact rounding error, lane by lane (`math::two_sum`'s operations).
+#[inline(always)]
+fn two_sum8(s: V4, a: __m512d, b: __m512d) -> (__m512d, __m512d) {
+    let f = s.avx512f;
+    let sum = f._mm512_add_pd(a, b);
+    let bb = f._mm512_sub_pd(sum, a);
+    let err = f._mm512_add_pd(
+        f._mm512_sub_pd(a, f._mm512_sub_pd(sum, bb)),
+        f._mm512_sub_pd(b, bb),
+    );
+    (sum, err)
+}
+
+/// A block's 8 float32 accumulators added into fresh (zero) float64 lanes: TwoSum's sum of
+/// `0 + b`, whose error is 0 where it is read (see [`VecSum::add`]).
+#[inline(always)]
+fn widen_fresh(s: V4, half: __m256) -> __m512d {
+    let f = s.avx512f;
+    f._mm512_add_pd(f._mm512_setzero_pd(), f._mm512_cvtps_pd(half))
+}
+
 impl VecSum {
     #[inline(always)]
     fn new(s: V4) -> Self {
@@ -608,21 +623,14 @@ impl VecSum {
         let f = s.avx512f;
         let halves: [__m256; 2] = pulp::cast(block);
         if self.fresh {
-            let z = f._mm512_setzero_pd();
             for (hi, half) in self.hi.iter_mut().zip(halves) {
-                *hi = f._mm512_add_pd(z, f._mm512_cvtps_pd(half));
+                *hi = widen_fresh(s, half);
             }
             self.fresh = false;
             return;
         }
         for ((hi, lo), half) in self.hi.iter_mut().zip(&mut self.lo).zip(halves) {
-            let (a, b) = (*hi, f._mm512_cvtps_pd(half));
-            let sum = f._mm512_add_pd(a, b);
-            let bb = f._mm512_sub_pd(sum, a);
-            let err = f._mm512_add_pd(
-                f._mm512_sub_pd(a, f._mm512_sub_pd(sum, bb)),
-                f._mm512_sub_pd(b, bb),
-            );
+            let (sum, err) = two_sum8(s, *hi, f._mm512_cvtps_pd(half));
             *hi = sum;
             *lo = f._mm512_add_pd(*lo, err);
         }
@@ -1025,9 +1033,10 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
 }
 
 /// The backward's first pass over a batch of 8 narrow rows (`narrow`), rows `first..` of
-/// `rstd`: each row's dot product `sum(g * x)` (and, when rstd is not given, its sum of
-/// squares) in float32 lanes as [`row_sums_pair`] takes them, their totals side by side
-/// ([`totals8`]), then each row's `(rstd, c)` as `math::row_factors` takes them, lane by lane.
+/// `rstd`: each row's dot product `sum(g * x)` and sum of squares in float32 lanes as
+/// [`row_sums_pair`] takes them, their totals side by side ([`totals8`]; the squares' only when
+/// rstd is not given), then each row's `(rstd, c)` as `math::row_factors` takes them, lane by
+/// lane.
 #[inline(always)]
 fn narrow_sums<X: Lane, W: Lane, A: Accum>(
     s: V4,
