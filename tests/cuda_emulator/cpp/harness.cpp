@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "emulator.h"
+#include "kernel_args.h"
 
 namespace {
 
@@ -70,31 +71,8 @@ struct Buffer {
   uint64_t addr() const { return (uint64_t)(uintptr_t)p; }
 };
 
-const emu::Kernel* find(const char* name) {
-  int count = 0;
-  const emu::Kernel* ks = emu_kernels(&count);
-  for (int i = 0; i < count; ++i)
-    if (!strcmp(ks[i].name, name)) return &ks[i];
-  fprintf(stderr, "no kernel %s\n", name);
-  exit(2);
-}
-
-// Packs `values` (the low bytes of each, as many as the parameter's size) as the kernel's
-// signature lays them out.
-std::vector<unsigned char> pack(const emu::Kernel* k, const std::vector<uint64_t>& values) {
-  if ((int)values.size() != k->param_count) {
-    fprintf(stderr, "%s takes %d parameters, got %zu\n", k->name, k->param_count, values.size());
-    exit(2);
-  }
-  std::vector<unsigned char> buf(k->param_bytes);
-  unsigned off = 0;
-  for (int i = 0; i < k->param_count; ++i) {
-    off = (off + k->params[i].align - 1) / k->params[i].align * k->params[i].align;
-    memcpy(buf.data() + off, &values[i], k->params[i].size);
-    off += k->params[i].size;
-  }
-  return buf;
-}
+using emu_args::find;
+using emu_args::pack;
 
 uint64_t seed = 1;
 int failures = 0, launches = 0;

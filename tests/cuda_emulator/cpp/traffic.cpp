@@ -37,6 +37,7 @@
 
 #include "cuda_shim.h"
 #include "emulator.h"
+#include "kernel_args.h"
 
 namespace {
 
@@ -292,29 +293,8 @@ void add_buffer(const char* name, const Mem& m, size_t bytes, bool broadcast) {
   rec.buffers.push_back(std::move(b));
 }
 
-const emu::Kernel* find(const std::string& name) {
-  int count = 0;
-  const emu::Kernel* ks = emu_kernels(&count);
-  for (int i = 0; i < count; ++i)
-    if (name == ks[i].name) return &ks[i];
-  fprintf(stderr, "no kernel %s\n", name.c_str());
-  exit(2);
-}
-
-std::vector<unsigned char> pack(const emu::Kernel* k, const std::vector<uint64_t>& values) {
-  if ((int)values.size() != k->param_count) {
-    fprintf(stderr, "%s takes %d parameters, got %zu\n", k->name, k->param_count, values.size());
-    exit(2);
-  }
-  std::vector<unsigned char> buf(k->param_bytes);
-  unsigned off = 0;
-  for (int i = 0; i < k->param_count; ++i) {
-    off = (off + k->params[i].align - 1) / k->params[i].align * k->params[i].align;
-    memcpy(buf.data() + off, &values[i], k->params[i].size);
-    off += k->params[i].size;
-  }
-  return buf;
-}
+using emu_args::find;
+using emu_args::pack;
 
 std::string dir_json(const Dir& d) {
   char s[512];
@@ -336,7 +316,7 @@ bool failed = false;
 // Runs `kernel` on the recorder's buffers (registered by the caller) and returns its JSON.
 std::string run(const std::string& kernel, const Launch& l, emu::Dim block,
                 const std::vector<uint64_t>& values, bool cached) {
-  const emu::Kernel* k = find(kernel);
+  const emu::Kernel* k = find(kernel.c_str());
   std::vector<unsigned char> params = pack(k, values);
   rec.head_blocks = std::min(l.grid - 1, max_blocks);
   rec.inflight_sum = 0;
