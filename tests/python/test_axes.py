@@ -123,3 +123,66 @@ def test_the_weight_has_the_shape_of_the_normalized_axes():
         rms_norm(x, jnp.ones(4), axis=(-2, -1))
     with pytest.raises(ValueError, match=r"rstd must have shape \(2,\)"):
         rms_norm_bwd(x, None, jnp.ones((2, 3)), x, axis=(-2, -1))
+
+
+_MESH_CODE = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import flax.linen as nn
+import rmsnorm_ffi
+from rmsnorm_ffi import rms_norm
+
+x = jax.random.normal(jax.random.key(0), (8, 6, 32))
+w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (6, 32))
+cot = jax.random.normal(jax.random.key(2), x.shape)
+
+def loss(x, w):
+    return jnp.sum(rms_norm(x, w, axis=(-2, -1)) * cot)
+
+want = (rms_norm(x, w, axis=(-2, -1)), *jax.grad(loss, (0, 1))(x, w))
+flax_norm = rmsnorm_ffi.RMSNorm(reduction_axes=(-2, -1), feature_axes=-1)
+flax_vars = flax_norm.init(jax.random.key(3), x)
+flax_want = flax_norm.apply(flax_vars, x)
+try:
+    import rmsnorm_ffi.equinox as reqx
+    eqx_norm = reqx.RMSNorm((6, 32))
+    eqx_want = jax.vmap(eqx_norm)(x)
+except ImportError:
+    eqx_norm = None
+
+results = []
+for kind in (AxisType.Explicit, AxisType.Auto):
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        ws = jax.device_put(w, NamedSharding(mesh, P()))
+        step = jax.jit(lambda x, w: (rms_norm(x, w, axis=(-2, -1)), *jax.grad(loss, (0, 1))(x, w)))
+        got = step(xs, ws)
+        hlo = step.lower(xs, ws).compile().as_text()
+        diffs = [float(jnp.max(jnp.abs(g - v))) for g, v in zip(got, want)]
+        fl = jax.jit(flax_norm.apply)
+        diffs.append(float(jnp.max(jnp.abs(fl(flax_vars, xs) - flax_want))))
+        if eqx_norm is not None:
+            diffs.append(float(jnp.max(jnp.abs(jax.jit(jax.vmap(eqx_norm))(xs) - eqx_want))))
+        results.append({"kind": str(kind), "diffs": diffs, "gathers": hlo.count("all-gather"),
+                        "y_sharding": str(got[0].sharding.spec)})
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def test_trailing_axes_on_explicit_and_automatic_meshes():
+    """Rows sharded over 2 devices (`jax.make_mesh` + `jax.set_mesh`, explicit and automatic):
+    the op over trailing axes, its gradients, the Flax module with trailing reduction_axes and
+    the Equinox module (vmapped) give the unsharded values, and nothing is all-gathered."""
+    import json
+
+    from conftest import run_python
+
+    result = run_python(_MESH_CODE, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULTS"))
+    for r in json.loads(line[len("RESULTS"):]):
+        assert r["gathers"] == 0, r
+        assert max(r["diffs"]) < 1e-5, r
+        assert "data" in r["y_sharding"], r
