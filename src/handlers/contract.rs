@@ -24,69 +24,89 @@ pub const TARGETS: [&str; 3] = [FORWARD_TARGET, BACKWARD_TARGET, RESIDUAL_TARGET
 /// Longest row (normalized axis) accepted: keeps workspaces and the GPU scratch bounded.
 pub const MAX_ROW_LEN: i64 = 1 << 26;
 
-/// One accepted pair of x's dtype (also y's, dy's, dx's) and the weight's dtype (also
-/// dweight's). A call without a weight uses the pair whose weight dtype is x's.
+/// A floating-point dtype of the op contract: every x dtype, and every weight dtype with every
+/// x dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DtypePair {
+pub enum Float {
     F32,
     F64,
-    F64WeightF32,
     BF16,
-    BF16WeightF32,
     F16,
-    F16WeightF32,
+}
+
+impl Float {
+    /// Every float, in the order the tables list them.
+    pub const ALL: [Float; 4] = [Float::F32, Float::F64, Float::BF16, Float::F16];
+
+    pub const fn dtype(self) -> DataType {
+        match self {
+            Float::F32 => DataType::F32,
+            Float::F64 => DataType::F64,
+            Float::BF16 => DataType::BF16,
+            Float::F16 => DataType::F16,
+        }
+    }
+
+    pub fn of(d: DataType) -> Option<Float> {
+        Float::ALL.into_iter().find(|f| f.dtype() == d)
+    }
+}
+
+/// One accepted pair of x's dtype (also y's, dy's, dx's) and the weight's dtype (also
+/// dweight's): any float x with any float weight (mixed-precision trainers keep bfloat16
+/// parameters next to float32 activations, or the reverse). The weight is read in its own
+/// dtype and combined in the accumulation dtype, which x alone decides. A call without a weight
+/// uses the pair whose weight dtype is x's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DtypePair {
+    pub x: Float,
+    pub weight: Float,
 }
 
 impl DtypePair {
-    /// Every pair, in the order the tables list them.
-    pub const ALL: [DtypePair; 7] = [
-        DtypePair::F32,
-        DtypePair::F64,
-        DtypePair::F64WeightF32,
-        DtypePair::BF16,
-        DtypePair::BF16WeightF32,
-        DtypePair::F16,
-        DtypePair::F16WeightF32,
-    ];
+    /// Every pair, x-major in [`Float::ALL`]'s order.
+    pub const ALL: [DtypePair; 16] = {
+        let mut out = [DtypePair {
+            x: Float::F32,
+            weight: Float::F32,
+        }; 16];
+        let mut i = 0;
+        while i < 16 {
+            out[i] = DtypePair {
+                x: Float::ALL[i / 4],
+                weight: Float::ALL[i % 4],
+            };
+            i += 1;
+        }
+        out
+    };
 
     /// The dtype of x, y, dy and dx.
     pub const fn x(self) -> DataType {
-        match self {
-            DtypePair::F32 => DataType::F32,
-            DtypePair::F64 | DtypePair::F64WeightF32 => DataType::F64,
-            DtypePair::BF16 | DtypePair::BF16WeightF32 => DataType::BF16,
-            DtypePair::F16 | DtypePair::F16WeightF32 => DataType::F16,
-        }
+        self.x.dtype()
     }
 
     /// The dtype of the weight and its gradient.
     pub const fn weight(self) -> DataType {
-        match self {
-            DtypePair::F64 => DataType::F64,
-            DtypePair::BF16 => DataType::BF16,
-            DtypePair::F16 => DataType::F16,
-            DtypePair::F32
-            | DtypePair::F64WeightF32
-            | DtypePair::BF16WeightF32
-            | DtypePair::F16WeightF32 => DataType::F32,
-        }
+        self.weight.dtype()
     }
 
     /// The dtype sums of squares and the weight gradient accumulate in, and `rstd`'s dtype:
-    /// float64 for float64 input, float32 for the others (half precision included).
+    /// float64 for float64 input, float32 for the others (half precision included), whatever
+    /// the weight's dtype.
     pub const fn accumulation(self) -> DataType {
-        match self.x() {
-            DataType::F64 => DataType::F64,
+        match self.x {
+            Float::F64 => DataType::F64,
             _ => DataType::F32,
         }
     }
 
     /// The pair for x's and the weight's dtypes (`None`: no weight), if the contract lists it.
     pub fn of(x: DataType, weight: Option<DataType>) -> Option<DtypePair> {
-        let weight = weight.unwrap_or(x);
-        DtypePair::ALL
-            .into_iter()
-            .find(|p| p.x() == x && p.weight() == weight)
+        Some(DtypePair {
+            x: Float::of(x)?,
+            weight: Float::of(weight.unwrap_or(x))?,
+        })
     }
 }
 
@@ -122,32 +142,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_x_dtype_has_its_own_pair_and_a_float32_weight() {
+    fn every_x_dtype_pairs_with_every_float_weight_its_own_first() {
         assert_eq!(
             x_dtypes(),
             [DataType::F32, DataType::F64, DataType::BF16, DataType::F16]
         );
         for x in x_dtypes() {
             assert_eq!(DtypePair::of(x, None), DtypePair::of(x, Some(x)));
-            assert!(DtypePair::of(x, Some(DataType::F32)).is_some(), "{x}");
             assert_eq!(weight_dtypes(x)[0], x);
+            assert_eq!(weight_dtypes(x).len(), 4, "{x}");
+            for w in x_dtypes() {
+                let pair = DtypePair::of(x, Some(w)).expect("listed");
+                assert_eq!((pair.x(), pair.weight()), (x, w));
+                assert_eq!(pair.accumulation(), accumulation(x).unwrap());
+            }
         }
-        assert_eq!(weight_dtypes(DataType::F32), [DataType::F32]);
-        assert_eq!(
-            weight_dtypes(DataType::BF16),
-            [DataType::BF16, DataType::F32]
-        );
         assert!(weight_dtypes(DataType::S32).is_empty());
     }
 
     #[test]
-    fn unlisted_pairs_and_dtypes_have_no_pair() {
+    fn unlisted_dtypes_have_no_pair() {
         for (x, w) in [
-            (DataType::F32, DataType::BF16),
-            (DataType::F32, DataType::F64),
-            (DataType::BF16, DataType::F16),
-            (DataType::F16, DataType::F64),
+            (DataType::F32, DataType::S32),
+            (DataType::S32, DataType::F32),
             (DataType::S32, DataType::S32),
+            (DataType::BF16, DataType::F8E5M2),
         ] {
             assert_eq!(DtypePair::of(x, Some(w)), None, "{x} with {w}");
         }

@@ -1006,6 +1006,51 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
     }
 }
 
+/// `offset + w` for each weight element, taken in `A` (zero-centred gamma: Gemma's `1 + w`): the
+/// weight the kernels then apply, once per call for the call's weight rows. Rounded once to the
+/// accumulation dtype, as a kernel that added the offset element by element would round it.
+#[inline(always)]
+pub fn offset_weights<W: Element, A: Accum>(w: &[W], offset: A, out: &mut [A]) {
+    for (o, &wi) in out.iter_mut().zip(w) {
+        *o = offset + A::load(wi);
+    }
+}
+
+/// One row of the fused residual add's backward: dx is the norm's backward plus `dh` (the
+/// gradient that reached `h = x + residual` from later layers), added in `A` before dx is
+/// rounded once, where adding the two rounded gradients would round twice. The norm's part is
+/// [`backward_second_pass`]'s expression, operation for operation. With `dw_acc`, adds this
+/// row's `dy * xhat` to it (widened term by term).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_row_adding<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    rstd: Rstd<'_, A>,
+    dy: &[T],
+    dh: &[T],
+    dx: &mut [T],
+    mut dw_acc: Option<&mut [A::Wide]>,
+) {
+    let n = x.len();
+    if n == 0 {
+        return;
+    }
+    let (r, c) = row_factors(rstd, 0, row_sums::<T, W, A>(x, w, dy), n);
+    for i in 0..n {
+        let xhat = A::load(x[i]) * r;
+        let d = A::load(dy[i]);
+        let g = match w {
+            Some(w) => d * A::load(w[i]),
+            None => d,
+        };
+        dx[i] = (r * (g - xhat * c) + A::load(dh[i])).store();
+        if let Some(acc) = dw_acc.as_deref_mut() {
+            acc[i] = acc[i].add((d * xhat).to_f64());
+        }
+    }
+}
+
 /// Backward pass over consecutive rows of `n` (as many as `dx` holds), row by row: the rows
 /// without a weight, any rows [`backward_rows_paired`] does not cover, and the reference the
 /// multi-row loops are tested against. With an accumulator, rows add to it in pairs, as

@@ -20,6 +20,10 @@ xla_ffi_bundles::ffi_attrs! {
         pub has_weight: bool,
         /// Length of the normalized (last) axis.
         pub row_len: i64,
+        /// Present and not 0: the weight is applied as `scale_offset + w` (zero-centred gamma:
+        /// Gemma's `1 + w`), taken in the accumulation dtype; finite. Absent (the form every
+        /// call had before it existed): `w`.
+        pub scale_offset: Option<f32>,
     }
 }
 
@@ -34,6 +38,26 @@ xla_ffi_bundles::ffi_attrs! {
         pub has_weight: bool,
         /// Length of the normalized (last) axis.
         pub row_len: i64,
+        /// As the forward's: the weight the forward applied is `scale_offset + w`; the weight
+        /// gradient is still with respect to `w`.
+        pub scale_offset: Option<f32>,
+        /// Present and true: the call has one more argument after dy, `dh`, a gradient of x's
+        /// shape and dtype added to dx in the accumulation dtype before dx is rounded once
+        /// (the fused residual add's backward, where `h = x + residual` flows on to later
+        /// layers too). Absent: false.
+        pub has_dh: Option<bool>,
+    }
+}
+
+/// `scale_offset`: finite; `None` for an absent or zero offset (then the weight is `w` itself).
+pub fn check_scale_offset(offset: Option<f32>) -> Result<Option<f32>, HandlerError> {
+    match offset {
+        Some(v) if !v.is_finite() => Err(HandlerError::attribute(
+            "scale_offset",
+            format!("must be finite, got {v}"),
+        )),
+        Some(v) if v != 0.0 => Ok(Some(v)),
+        _ => Ok(None),
     }
 }
 
@@ -316,22 +340,39 @@ pub struct BackwardOperands<'a, 'r, P: Platform> {
     pub dy: AnyBuffer<'a, P>,
     pub dx: AnyResult<'r, P>,
     pub dw: Option<AnyResult<'r, P>>,
+    /// The gradient added to dx before it is rounded (see [`BackwardAttrs::has_dh`]).
+    pub dh: Option<AnyBuffer<'a, P>>,
     /// The contract's pair for x's and the weight's dtypes.
     pub pair: DtypePair,
     pub layout: Layout,
 }
 
-/// Decodes and checks a backward call: arguments (x, [weight], [rstd], dy) (`rstd` when
-/// `has_rstd`), results (dx, [dweight]), each against x, the weight and the attributes.
+/// Which optional operands a backward call has.
+#[derive(Debug, Clone, Copy)]
+pub struct BackwardForm {
+    pub has_weight: bool,
+    /// `rstd` is an operand (else the call takes it from x).
+    pub has_rstd: bool,
+    /// `dh` follows dy.
+    pub has_dh: bool,
+    pub row_len: usize,
+}
+
+/// Decodes and checks a backward call: arguments (x, [weight], [rstd], dy, [dh]), results
+/// (dx, [dweight]), each against x, the weight and the attributes.
 pub fn backward_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
-    has_weight: bool,
-    has_rstd: bool,
-    row_len: usize,
+    form: BackwardForm,
 ) -> FfiResult<BackwardOperands<'a, 'r, P>> {
+    let BackwardForm {
+        has_weight,
+        has_rstd,
+        has_dh,
+        row_len,
+    } = form;
     let (has_w, has_r) = (has_weight as usize, has_rstd as usize);
-    count("arguments", args.len(), 2 + has_w + has_r)?;
+    count("arguments", args.len(), 2 + has_w + has_r + has_dh as usize)?;
     count("results", rets.len(), 1 + has_w)?;
     let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
     let rstd = if has_rstd {
@@ -344,6 +385,13 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), &x, pair)?;
     }
     expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
+    let dh = if has_dh {
+        let dh = args.get(2 + has_w + has_r)?;
+        expect(dh.operand(), dh.dtype(), dh.dims(), x.dtype(), x.dims())?;
+        Some(dh)
+    } else {
+        None
+    };
     let dx = result(rets, 0)?;
     expect(dx.operand(), dx.dtype(), dx.dims(), x.dtype(), x.dims())?;
     let dw = match &w {
@@ -361,6 +409,7 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         dy,
         dx,
         dw,
+        dh,
         pair,
         layout,
     })

@@ -17,15 +17,15 @@ pub mod simd;
 
 use half::{bf16, f16};
 
-use super::contract::DtypePair;
+use super::contract::{DtypePair, Float};
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 use super::math::{
-    add_into, backward_rows, backward_rows_paired, forward_row, forward_rows, Accum, Compensated,
-    Element, Rstd, WideSum,
+    add_into, backward_row_adding, backward_rows, backward_rows_paired, forward_row, forward_rows,
+    offset_weights, Accum, Compensated, Element, Rstd, WideSum,
 };
 use super::operands::{
-    backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
-    BackwardOperands, ForwardOperands, Layout, ResidualOperands,
+    backward_operands, check_eps, check_row_len, check_scale_offset, forward_operands,
+    residual_operands, BackwardForm, BackwardOperands, ForwardOperands, Layout, ResidualOperands,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
@@ -36,6 +36,8 @@ use xla_ffi_bundles::ffi::{
     Instantiate, ResultList,
 };
 use xla_ffi_bundles::state::{LiveState, WorkspacePool};
+
+use once_cell::sync::OnceCell;
 
 /// Column block of the weight-gradient reduction.
 const REDUCE_BLOCK: usize = 1024;
@@ -55,6 +57,9 @@ pub struct ForwardState {
     has_weight: bool,
     row_len: usize,
     jobs: ParallelJobs,
+    /// `Some`: the weight applied is `offset + w` (see `ForwardAttrs::scale_offset`).
+    offset: Option<f32>,
+    offset_weights: OffsetWeights,
 }
 xla_ffi_bundles::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
 
@@ -72,6 +77,110 @@ pub struct BackwardState {
     /// compensated float64 sums of float64 terms (`math::Accum::Wide`).
     partials_f32: WorkspacePool<f64>,
     partials_f64: WorkspacePool<Compensated>,
+    /// As the forward's.
+    offset: Option<f32>,
+    offset_weights: OffsetWeights,
+    /// Calls have a `dh` operand (see `BackwardAttrs::has_dh`).
+    has_dh: bool,
+}
+
+/// The weight rows a call with a scale offset applies, `offset + w` in the accumulation dtype
+/// (`math::offset_weights`): one pool per accumulation dtype, made on the first such call with
+/// that call's weight size (a call site's shapes never change), so that later calls allocate
+/// nothing.
+#[derive(Default)]
+struct OffsetWeights {
+    f32: OnceCell<WorkspacePool<f32>>,
+    f64: OnceCell<WorkspacePool<f64>>,
+}
+
+/// Concurrent calls that can each hold an offset weight buffer without allocating.
+const OFFSET_POOL_CAPACITY: usize = 64;
+
+/// What the CPU bundles keep per accumulation dtype.
+trait CpuAccum: Accum + Element {
+    fn offset_pool(pools: &OffsetWeights) -> &OnceCell<WorkspacePool<Self>>;
+    fn partials(state: &BackwardState) -> &WorkspacePool<Self::Wide>;
+}
+
+impl CpuAccum for f32 {
+    fn offset_pool(pools: &OffsetWeights) -> &OnceCell<WorkspacePool<f32>> {
+        &pools.f32
+    }
+    fn partials(state: &BackwardState) -> &WorkspacePool<f64> {
+        &state.partials_f32
+    }
+}
+
+impl CpuAccum for f64 {
+    fn offset_pool(pools: &OffsetWeights) -> &OnceCell<WorkspacePool<f64>> {
+        &pools.f64
+    }
+    fn partials(state: &BackwardState) -> &WorkspacePool<Compensated> {
+        &state.partials_f64
+    }
+}
+
+/// `offset + w` in `A` for the call's weight `w` (all its rows), in a buffer of the pool.
+fn offset_weight_rows<'p, W: Element, A: CpuAccum>(
+    pools: &'p OffsetWeights,
+    w: &[W],
+    offset: f32,
+) -> FfiResult<xla_ffi_bundles::state::Workspace<'p, A>> {
+    let pool =
+        A::offset_pool(pools).get_or_init(|| WorkspacePool::new(w.len(), OFFSET_POOL_CAPACITY));
+    if pool.len() != w.len() {
+        return Err(FfiError::internal(format!(
+            "a call site's weight changed size: {} elements, first {}",
+            w.len(),
+            pool.len()
+        )));
+    }
+    let mut rows = pool.checkout();
+    offset_weights(w, <A as Accum>::from_f32(offset), &mut rows);
+    Ok(rows)
+}
+
+/// Runs `$body` with the Rust types of a contract pair as `T` (x), `W` (the weight) and `A`
+/// (the accumulation dtype): one arm per pair, exhaustive over [`Float`], so a dtype added to
+/// the contract does not compile until it has a kernel here.
+macro_rules! with_pair_types {
+    ($pair:expr, |$t:ident, $w:ident, $a:ident| $body:expr) => {
+        match $pair.x {
+            Float::F32 => with_pair_types!(@weight $pair, f32, f32, |$t, $w, $a| $body),
+            Float::F64 => with_pair_types!(@weight $pair, f64, f64, |$t, $w, $a| $body),
+            Float::BF16 => with_pair_types!(@weight $pair, bf16, f32, |$t, $w, $a| $body),
+            Float::F16 => with_pair_types!(@weight $pair, f16, f32, |$t, $w, $a| $body),
+        }
+    };
+    (@weight $pair:expr, $x:ty, $acc:ty, |$t:ident, $w:ident, $a:ident| $body:expr) => {
+        match $pair.weight {
+            Float::F32 => {
+                type $t = $x;
+                type $w = f32;
+                type $a = $acc;
+                $body
+            }
+            Float::F64 => {
+                type $t = $x;
+                type $w = f64;
+                type $a = $acc;
+                $body
+            }
+            Float::BF16 => {
+                type $t = $x;
+                type $w = bf16;
+                type $a = $acc;
+                $body
+            }
+            Float::F16 => {
+                type $t = $x;
+                type $w = f16;
+                type $a = $acc;
+                $body
+            }
+        }
+    };
 }
 xla_ffi_bundles::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 
@@ -85,7 +194,10 @@ impl Bundle for Forward {
 impl ForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
         check_eps(attrs.eps)?;
+        let offset = check_scale_offset(attrs.scale_offset)?;
         Ok(ForwardState {
+            offset,
+            offset_weights: OffsetWeights::default(),
             live: LiveState::register(target, "rmsnorm_ffi.RmsNormForwardState"),
             kernel: Kernel::detect(),
             eps: attrs.eps,
@@ -135,6 +247,7 @@ impl Instantiate for Backward {
         if let Some(eps) = attrs.eps {
             check_eps(eps)?;
         }
+        let offset = check_scale_offset(attrs.scale_offset)?;
         let partial_len = if attrs.has_weight {
             partial_rows(row_len) * row_len
         } else {
@@ -149,6 +262,9 @@ impl Instantiate for Backward {
             jobs: ParallelJobs::new(),
             partials_f32: WorkspacePool::new(partial_len, 64),
             partials_f64: WorkspacePool::new(partial_len, 64),
+            offset,
+            offset_weights: OffsetWeights::default(),
+            has_dh: attrs.has_dh == Some(true),
         })
     }
 }
@@ -260,17 +376,7 @@ fn forward_dispatch(
         layout,
     } = ops;
     let call = ForwardCall { state, ctx, layout };
-    // One arm per pair of the op contract: a pair added there does not compile until it has a
-    // kernel here.
-    match pair {
-        DtypePair::F32 => call.run::<f32, f32, f32>(x, w, y, rstd, res),
-        DtypePair::F64 => call.run::<f64, f64, f64>(x, w, y, rstd, res),
-        DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(x, w, y, rstd, res),
-        DtypePair::BF16 => call.run::<bf16, bf16, f32>(x, w, y, rstd, res),
-        DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(x, w, y, rstd, res),
-        DtypePair::F16 => call.run::<f16, f16, f32>(x, w, y, rstd, res),
-        DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(x, w, y, rstd, res),
-    }
+    with_pair_types!(pair, |T, W, A| call.typed::<T, W, A>(x, w, y, rstd, res))
 }
 
 /// The forward pass over one chunk's `rstd.len()` consecutive rows of `n`, in the loops that
@@ -340,7 +446,9 @@ struct ForwardCall<'s, 'c, 'a> {
 }
 
 impl ForwardCall<'_, '_, '_> {
-    fn run<T: Element, W: Element, A: Accum>(
+    /// The call's buffers as slices of its pair's types; with a scale offset, the weight
+    /// converted to `offset + w` in `A` first (the kernels then read it as an `A` weight).
+    fn typed<T: Element, W: Element, A: CpuAccum>(
         &self,
         x: AnyBuffer<'_>,
         w: Option<AnyBuffer<'_>>,
@@ -348,7 +456,6 @@ impl ForwardCall<'_, '_, '_> {
         rstd: AnyResult<'_>,
         res: Residual<'_, '_>,
     ) -> FfiResult<()> {
-        let Layout { rows, n, .. } = self.layout;
         let x = x.as_slice::<T>()?;
         let w = w.map(|w| w.as_slice::<W>()).transpose()?;
         let y = y.into_mut_slice::<T>()?;
@@ -357,6 +464,24 @@ impl ForwardCall<'_, '_, '_> {
             Some((r, h)) => Some((r.as_slice::<T>()?, h.into_mut_slice::<T>()?)),
             None => None,
         };
+        match (w, self.state.offset) {
+            (Some(w), Some(offset)) => {
+                let rows = offset_weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
+                self.run::<T, A, A>(x, Some(&rows), y, rstd, res)
+            }
+            (w, _) => self.run::<T, W, A>(x, w, y, rstd, res),
+        }
+    }
+
+    fn run<T: Element, W: Element, A: Accum>(
+        &self,
+        x: &[T],
+        w: Option<&[W]>,
+        y: &mut [T],
+        rstd: &mut [A],
+        res: Option<(&[T], &mut [T])>,
+    ) -> FfiResult<()> {
+        let Layout { rows, n, .. } = self.layout;
         if n == 0 {
             rstd.fill(A::NAN);
             return Ok(());
@@ -423,23 +548,20 @@ impl Execute for Backward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let has_rstd = state.eps.is_none();
-        let ops = backward_operands(&args, &mut rets, state.has_weight, has_rstd, state.row_len)?;
+        let form = BackwardForm {
+            has_weight: state.has_weight,
+            has_rstd: state.eps.is_none(),
+            has_dh: state.has_dh,
+            row_len: state.row_len,
+        };
+        let ops = backward_operands(&args, &mut rets, form)?;
         let call = BackwardCall {
             state,
             ctx,
             layout: ops.layout,
         };
-        // One arm per pair of the op contract, as in the forward.
-        match ops.pair {
-            DtypePair::F32 => call.run::<f32, f32, f32>(ops, &state.partials_f32),
-            DtypePair::F64 => call.run::<f64, f64, f64>(ops, &state.partials_f64),
-            DtypePair::F64WeightF32 => call.run::<f64, f32, f64>(ops, &state.partials_f64),
-            DtypePair::BF16 => call.run::<bf16, bf16, f32>(ops, &state.partials_f32),
-            DtypePair::BF16WeightF32 => call.run::<bf16, f32, f32>(ops, &state.partials_f32),
-            DtypePair::F16 => call.run::<f16, f16, f32>(ops, &state.partials_f32),
-            DtypePair::F16WeightF32 => call.run::<f16, f32, f32>(ops, &state.partials_f32),
-        }
+        let pair: DtypePair = ops.pair;
+        with_pair_types!(pair, |T, W, A| call.typed::<T, W, A>(ops))
     }
 }
 
@@ -451,6 +573,8 @@ struct BackwardInputs<'a, T, W, A> {
     /// Given (an operand), or taken from x by the first pass (`math::Rstd`).
     rstd: Rstd<'a, A>,
     w: Option<&'a [W]>,
+    /// The gradient added to dx before it is rounded (the fused residual's backward).
+    dh: Option<&'a [T]>,
     n: usize,
     rows_per_group: usize,
     kernel: Kernel,
@@ -472,6 +596,22 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
             self.w
                 .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
         };
+        if let Some(dh) = self.dh {
+            // Row by row, dx rounded once after dh is added (`math::backward_row_adding`).
+            for (i, dx) in dx_rows.chunks_exact_mut(n).enumerate() {
+                let row = (first + i) * n..(first + i + 1) * n;
+                backward_row_adding::<T, W, A>(
+                    &self.x[row.clone()],
+                    w_of(i),
+                    rstd.from_row(i),
+                    &self.dy[row.clone()],
+                    &dh[row],
+                    dx,
+                    acc.as_deref_mut(),
+                );
+            }
+            return;
+        }
         let one_group =
             count == 0 || first / self.rows_per_group == (first + count - 1) / self.rows_per_group;
         if let (Some(w), Some(acc), true) = (w_of(0), acc.as_deref_mut(), one_group) {
@@ -496,23 +636,82 @@ struct BackwardCall<'s, 'c, 'a> {
     layout: Layout,
 }
 
+/// The typed operands of a backward call: the weight read as `W`, its gradient written as `D`
+/// (the same type, but for a scale offset, where the weight read is `offset + w` in `A`).
+struct BackwardSlices<'a, T, W, A, D> {
+    x: &'a [T],
+    w: Option<&'a [W]>,
+    rstd: Rstd<'a, A>,
+    dy: &'a [T],
+    dh: Option<&'a [T]>,
+    dx: &'a mut [T],
+    dw: Option<&'a mut [D]>,
+}
+
 impl BackwardCall<'_, '_, '_> {
-    fn run<T: Element, W: Element, A: Accum>(
+    /// The call's buffers as slices of its pair's types, the weight converted to
+    /// `offset + w` in `A` for a scale offset (the gradient is still `w`'s, in `W`).
+    fn typed<T: Element, W: Element, A: CpuAccum>(
         &self,
         ops: BackwardOperands<'_, '_, Host>,
-        partials: &WorkspacePool<A::Wide>,
     ) -> FfiResult<()> {
-        let Layout { rows, n, groups } = self.layout;
-        let x = ops.x.as_slice::<T>()?;
         let w = ops.w.map(|w| w.as_slice::<W>()).transpose()?;
         let rstd = match (ops.rstd, self.state.eps) {
             (Some(rstd), _) => Rstd::Given(rstd.as_slice::<A>()?),
-            (None, Some(eps)) => Rstd::FromX(A::from_f32(eps)),
+            (None, Some(eps)) => Rstd::FromX(<A as Accum>::from_f32(eps)),
             (None, None) => return Err(FfiError::internal("a backward with neither rstd nor eps")),
         };
+        let x = ops.x.as_slice::<T>()?;
         let dy = ops.dy.as_slice::<T>()?;
+        let dh = ops.dh.map(|dh| dh.as_slice::<T>()).transpose()?;
         let dx = ops.dx.into_mut_slice::<T>()?;
         let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
+        let partials = A::partials(self.state);
+        match (w, self.state.offset) {
+            (Some(w), Some(offset)) => {
+                let rows = offset_weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
+                let w = Some(&rows[..]);
+                let slices = BackwardSlices {
+                    x,
+                    w,
+                    rstd,
+                    dy,
+                    dh,
+                    dx,
+                    dw,
+                };
+                self.run::<T, A, A, W>(slices, partials)
+            }
+            (w, _) => {
+                let slices = BackwardSlices {
+                    x,
+                    w,
+                    rstd,
+                    dy,
+                    dh,
+                    dx,
+                    dw,
+                };
+                self.run::<T, W, A, W>(slices, partials)
+            }
+        }
+    }
+
+    fn run<T: Element, W: Element, A: Accum, D: Element>(
+        &self,
+        slices: BackwardSlices<'_, T, W, A, D>,
+        partials: &WorkspacePool<A::Wide>,
+    ) -> FfiResult<()> {
+        let Layout { rows, n, groups } = self.layout;
+        let BackwardSlices {
+            x,
+            w,
+            rstd,
+            dy,
+            dh,
+            dx,
+            dw,
+        } = slices;
         let kernel = self.state.kernel;
         // x and dy read, dx written (the weight and its gradient are one row each).
         let workers = workers(self.ctx, 3 * std::mem::size_of_val(x));
@@ -522,6 +721,7 @@ impl BackwardCall<'_, '_, '_> {
             dy,
             rstd,
             w,
+            dh,
             n,
             rows_per_group,
             kernel,
@@ -551,7 +751,7 @@ impl BackwardCall<'_, '_, '_> {
             return Ok(());
         }
         if rows == 0 {
-            dw.fill(W::default());
+            dw.fill(D::default());
             return Ok(());
         }
         let mut scratch = partials.checkout();
@@ -588,7 +788,7 @@ impl BackwardCall<'_, '_, '_> {
                             let first_row = (first_group + gi) * per_group;
                             inputs.rows_from(first_row, dx_group, Some(&mut *acc));
                             for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                                *o = W::from_f64(a.value());
+                                *o = D::from_f64(a.value());
                             }
                         }
                     },
@@ -644,7 +844,7 @@ impl BackwardCall<'_, '_, '_> {
                             }
                         }
                         for (o, &s) in out.iter_mut().zip(sum.iter()) {
-                            *o = W::from_f64(s.value());
+                            *o = D::from_f64(s.value());
                         }
                     }
                 },

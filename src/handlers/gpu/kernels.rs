@@ -18,7 +18,7 @@ pub const SOURCE: &str = include_str!("rmsnorm.cu");
 /// (x, weight) dtype pairs, in table order: the op contract's pairs, one forward and one
 /// backward kernel each (rmsnorm.cu stamps them); a missing weight uses the pair whose weight
 /// is x's dtype (with a null pointer).
-pub const COMBOS: [DtypePair; 7] = DtypePair::ALL;
+pub const COMBOS: [DtypePair; 16] = DtypePair::ALL;
 
 /// (accumulator, weight) dtype pairs of the finalize kernels: one per distinct pair of the
 /// contract's accumulation and weight dtypes.

@@ -28,8 +28,9 @@ pub mod plan;
 pub mod resources;
 
 use super::operands::{
-    backward_operands, check_eps, check_row_len, forward_operands, residual_operands,
-    BackwardAttrs, BackwardOperands, ForwardAttrs, ForwardOperands, Layout, ResidualOperands,
+    backward_operands, check_eps, check_row_len, check_scale_offset, forward_operands,
+    residual_operands, BackwardAttrs, BackwardForm, BackwardOperands, ForwardAttrs,
+    ForwardOperands, Layout, ResidualOperands,
 };
 use driver::{GpuError, LaunchConfig};
 use kernels::Direction;
@@ -106,6 +107,11 @@ impl GpuForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
+        if let Some(offset) = check_scale_offset(attrs.scale_offset)? {
+            return Err(FfiError::invalid_argument(format!(
+                "attribute `scale_offset` ({offset}): not supported by the CUDA kernels yet"
+            )));
+        }
         compile_for_visible_devices()?;
         Ok(GpuForwardState {
             live: LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState"),
@@ -204,6 +210,16 @@ impl Instantiate for GpuBackward {
                  backward that takes rstd itself from x is CPU only"
             )));
         }
+        if let Some(offset) = check_scale_offset(attrs.scale_offset)? {
+            return Err(FfiError::invalid_argument(format!(
+                "attribute `scale_offset` ({offset}): not supported by the CUDA kernels yet"
+            )));
+        }
+        if attrs.has_dh == Some(true) {
+            return Err(FfiError::invalid_argument(
+                "attribute `has_dh`: not supported by the CUDA kernels yet",
+            ));
+        }
         compile_for_visible_devices()?;
         Ok(GpuBackwardState {
             live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState"),
@@ -225,9 +241,19 @@ impl Initialize for GpuBackward {
         mut rets: ResultList<'_, Cuda>,
         (): (),
     ) -> FfiResult<()> {
-        let ops = backward_operands(&args, &mut rets, state.has_weight, true, state.row_len)?;
+        let ops = backward_operands(&args, &mut rets, backward_form(state))?;
         backward_slot(state, ctx, Stage::Initialize, ops.x.dtype(), ops.layout)?;
         Ok(())
+    }
+}
+
+/// The operands every CUDA backward call has: rstd given, no dh.
+fn backward_form(state: &GpuBackwardState) -> BackwardForm {
+    BackwardForm {
+        has_weight: state.has_weight,
+        has_rstd: true,
+        has_dh: false,
+        row_len: state.row_len,
     }
 }
 
@@ -395,7 +421,8 @@ impl Execute for GpuBackward {
             dw,
             pair,
             layout,
-        } = backward_operands(&args, &mut rets, state.has_weight, true, state.row_len)?;
+            ..
+        } = backward_operands(&args, &mut rets, backward_form(state))?;
         let n = layout.n;
         if n == 0 || (layout.rows == 0 && (dw.is_none() || layout.groups == 0)) {
             return Ok(());
