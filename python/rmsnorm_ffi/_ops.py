@@ -103,27 +103,42 @@ def _check_weight(op: str, x, weight, k: int = 1):
         axes = "last axis" if k == 1 else f"last {k} axes"
         raise ValueError(f"{op}: weight must have shape {want} to match x's {axes}, got {tuple(weight.shape)}")
     if (jnp.dtype(x.dtype), jnp.dtype(weight.dtype)) not in _PAIRS:
-        others = [str(w) for (xd, w) in _PAIRS if xd == jnp.dtype(x.dtype) and w != xd]
-        also = "".join(f" or {w}" for w in others)
-        raise TypeError(f"{op}: weight must have x's dtype ({x.dtype}){also}, got {weight.dtype}")
+        accepted = ", ".join(str(w) for (xd, w) in _PAIRS if xd == jnp.dtype(x.dtype))
+        raise TypeError(f"{op}: weight must have one of the dtypes {accepted} with x of {x.dtype}, got {weight.dtype}")
     return weight.reshape(-1) if k > 1 else weight
 
 
+def _number(op: str, name: str, value) -> float:
+    """A compile-time attribute as a float: a Python number, a NumPy scalar, or a concrete 0-d
+    array of a real dtype (models that keep eps in their parameters or configs as an array, as
+    penzai does); never a traced value."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{op}: {name} must be a Python number (it is a compile-time attribute), got a traced value")
+    if isinstance(value, (np.ndarray, jax.Array)):
+        if value.ndim != 0:
+            raise ValueError(f"{op}: {name} must be a scalar (a 0-d array at most), got an array of shape {tuple(value.shape)}")
+        if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+            raise TypeError(f"{op}: {name} must be a real number, got a 0-d array of dtype {value.dtype}")
+        value = np.asarray(value).item()
+    if isinstance(value, bool) or not isinstance(value, (Real, np.floating, np.integer)):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_scale_offset(op: str, offset, weight) -> float:
+    """The scale offset (the weight applied is ``offset + weight``), a number as `_number` takes
+    it, finite as a float32 (the kernels' attribute); it needs a weight to offset."""
+    offset = _number(op, "scale_offset", offset)
+    if not math.isfinite(offset) or abs(offset) > float(np.finfo(np.float32).max):
+        raise ValueError(f"{op}: scale_offset must be finite (as a float32), got {offset}")
+    if offset and weight is None:
+        raise ValueError(f"{op}: scale_offset={offset} applies to a weight (offset + weight), but weight is None")
+    return float(np.float32(offset))
+
+
 def _check_eps(op: str, eps) -> float:
-    """eps as the float the kernels take: a Python number, a NumPy scalar, or a concrete 0-d array
-    of a real dtype (models that keep eps in their parameters or configs as an array, as penzai
-    does); never a traced value, since it is a compile-time attribute of the call."""
-    if isinstance(eps, jax.core.Tracer):
-        raise TypeError(f"{op}: eps must be a Python number (it is a compile-time attribute), got a traced value")
-    if isinstance(eps, (np.ndarray, jax.Array)):
-        if eps.ndim != 0:
-            raise ValueError(f"{op}: eps must be a scalar (a 0-d array at most), got an array of shape {tuple(eps.shape)}")
-        if not (jnp.issubdtype(eps.dtype, jnp.floating) or jnp.issubdtype(eps.dtype, jnp.integer)):
-            raise TypeError(f"{op}: eps must be a real number, got a 0-d array of dtype {eps.dtype}")
-        eps = np.asarray(eps).item()
-    if isinstance(eps, bool) or not isinstance(eps, (Real, np.floating, np.integer)):
-        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-    eps = float(eps)
+    """eps as the float the kernels take (see `_number`): finite and >= 0."""
+    eps = _number(op, "eps", eps)
     # eps travels as a float32 attribute: it must be finite there too.
     if not math.isfinite(eps) or eps < 0 or eps > float(np.finfo(np.float32).max):
         raise ValueError(f"{op}: eps must be finite and >= 0 (as a float32), got {eps}")
@@ -149,26 +164,29 @@ def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
         )
 
 
-def rms_norm_fwd(x, weight=None, eps: float = 1e-5, *, axis=-1):
+def rms_norm_fwd(x, weight=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
     """Forward pass: returns ``(y, rstd)`` with ``rstd.shape == x.shape[:-1]`` (float32, or
-    float64 for float64 input) and ``y = x * rstd[..., None] * weight``. With ``axis`` naming
-    the last k axes, over those together: rstd has x's shape without them."""
+    float64 for float64 input) and ``y = x * rstd[..., None] * (scale_offset + weight)``. With
+    ``axis`` naming the last k axes, over those together: rstd has x's shape without them."""
     op = "rms_norm_fwd"
     x, k = _check_x(op, x, axis)
     weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
+    offset = _check_scale_offset(op, scale_offset, weight)
     _check_platform(op)
-    y, rstd = _primitives.forward(_rows(x, k), weight, eps)
+    y, rstd = _primitives.forward(_rows(x, k), weight, eps, offset)
     return y.reshape(x.shape), rstd
 
 
-def rms_norm_bwd(x, weight, rstd, dy, *, axis=-1):
+def rms_norm_bwd(x, weight, rstd, dy, *, scale_offset=0.0, axis=-1):
     """Backward pass: returns ``(dx, dweight)``; ``dweight`` is None when ``weight`` is None.
-    ``axis`` as for :func:`rms_norm_fwd`."""
+    ``scale_offset`` and ``axis`` as for :func:`rms_norm_fwd` (dweight is with respect to
+    ``weight``)."""
     op = "rms_norm_bwd"
     x, k = _check_x(op, x, axis)
     weight_shape = None if weight is None else jnp.shape(weight)
     weight = _check_weight(op, x, weight, k)
+    offset = _check_scale_offset(op, scale_offset, weight)
     rstd = _check_array(op, "rstd", rstd)
     dy = _check_array(op, "dy", dy)
     acc = _acc_dtype(x.dtype)
@@ -180,17 +198,19 @@ def rms_norm_bwd(x, weight, rstd, dy, *, axis=-1):
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     _check_platform(op, BACKWARD_TARGET)
-    dx, dweight = _primitives.backward(_rows(x, k), weight, rstd, _rows(dy, k))
+    dx, dweight = _primitives.backward(_rows(x, k), weight, rstd, _rows(dy, k), offset=offset)
     return dx.reshape(x.shape), None if dweight is None else dweight.reshape(weight_shape)
 
 
-def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, axis=-1):
+def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
     """The residual add of a pre-norm transformer block fused with the norm: returns
     ``(y, h)`` with ``h = x + residual`` (rounded to x's dtype, as jnp's ``x + residual``) and
     ``y = rms_norm(h, weight, eps)``, in one pass that reads x and the residual and writes h
     and y. ``residual`` has x's shape and dtype. Differentiable in x, the residual and the
     weight (the gradients of y and h both flow into x and the residual), under the same
-    transformations as :func:`rms_norm`. ``axis`` as for :func:`rms_norm`.
+    transformations as :func:`rms_norm`; in reverse mode the gradient reaching x (and the
+    residual) is the norm's plus h's, added in the accumulation dtype and rounded once.
+    ``scale_offset`` and ``axis`` as for :func:`rms_norm`.
     """
     op = "rms_norm_residual"
     x, k = _check_x(op, x, axis)
@@ -202,18 +222,24 @@ def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, axis=-1):
         )
     weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
+    offset = _check_scale_offset(op, scale_offset, weight)
     _check_platform(op, RESIDUAL_TARGET)
-    y, h, _ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps)
+    y, h, _ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset)
     return y.reshape(x.shape), h.reshape(x.shape)
 
 
-def rms_norm(x, weight=None, eps: float = 1e-5, *, axis=-1):
-    """RMS norm over the last axis: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
+def rms_norm(x, weight=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
+    """RMS norm over the last axis: ``x / sqrt(mean(x**2, -1) + eps) * (scale_offset + weight)``.
+
+    ``scale_offset``: a number added to the weight inside the kernels, in the accumulation
+    dtype (zero-centred gamma: Gemma's ``1 + w``, TransformerEngine's ``zero_centered_gamma``);
+    the gradient is with respect to ``weight``. 0 by default.
 
     ``axis``: the last axis (-1), or a tuple naming the last k axes (e.g. ``(-2, -1)``, as
     Flax's ``reduction_axes`` and Haiku's ``axis``), normalized over together; axes that are not
     trailing raise ``ValueError``, naming them. ``weight``, when given, has the shape of those
-    axes (``(x.shape[-1],)`` by default) and x's dtype or float32. Returns an
+    axes (``(x.shape[-1],)`` by default) and any float dtype (read in its own dtype, applied in
+    the accumulation dtype). Returns an
     array of x's shape and dtype, typed (sharding, varying manual axes) like x. Differentiable
     in ``x`` and ``weight`` in both modes and to any order (first-order reverse mode is the
     fused Rust backward; higher derivatives add jnp math); works under ``jit``, ``vmap``,
@@ -224,14 +250,15 @@ def rms_norm(x, weight=None, eps: float = 1e-5, *, axis=-1):
     x, k = _check_x(op, x, axis)
     weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
+    offset = _check_scale_offset(op, scale_offset, weight)
     _check_platform(op)
-    return _primitives.forward(_rows(x, k), weight, eps)[0].reshape(x.shape)
+    return _primitives.forward(_rows(x, k), weight, eps, offset)[0].reshape(x.shape)
 
 
-def rms_norm_reference(x, weight=None, eps: float = 1e-5, *, axis=-1):
+def rms_norm_reference(x, weight=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
     """The same computation in jnp (float32 accumulation; float64 for float64 input), for tests
     and benchmarks."""
     x = jnp.asarray(x)
     k = _trailing_axes("rms_norm_reference", axis, x.ndim)
     w = None if weight is None else jnp.asarray(weight).reshape(-1)
-    return _math.reference(_rows(x, k), w, eps).reshape(x.shape)
+    return _math.reference(_rows(x, k), w, eps, float(scale_offset)).reshape(x.shape)

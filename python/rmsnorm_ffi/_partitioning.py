@@ -50,7 +50,13 @@ def _struct(like, shape, dtype, typed: bool):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _forward_call(x, weight, eps: float, typed: bool = True, residual=None):
+def _offset_attrs(offset: float) -> dict:
+    """The scale offset as the calls take it: no attribute for 0 (the weight itself, the form
+    every call had before the attribute existed, so exported programs keep their bytes)."""
+    return {"scale_offset": np.float32(offset)} if offset else {}
+
+
+def _forward_call(x, weight, eps: float, typed: bool = True, residual=None, offset: float = 0.0):
     """``(y, rstd)``; with a residual, the fused ``(y, h, rstd)`` of ``h = x + residual``."""
     x_like = _struct(x, x.shape, x.dtype, typed)
     rows = _struct(x, x.shape[:-1], acc_dtype(x.dtype), typed)
@@ -61,34 +67,46 @@ def _forward_call(x, weight, eps: float, typed: bool = True, residual=None):
         call = jax.ffi.ffi_call(RESIDUAL_TARGET, (x_like, x_like, rows))
         args = (x, residual)
     args += () if weight is None else (weight,)
-    out = call(*args, eps=np.float32(eps), has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    out = call(
+        *args,
+        eps=np.float32(eps),
+        has_weight=weight is not None,
+        row_len=np.int64(x.shape[-1]),
+        **_offset_attrs(offset),
+    )
     return tuple(out)
 
 
-def _backward_call(x, weight, rstd, dy, eps, typed: bool = True):
+def _backward_call(x, weight, rstd, dy, eps, typed: bool = True, offset: float = 0.0, dh=None):
     """``(dx, dweight)``. With ``eps`` (not None), ``rstd`` is the forward's of x with that eps
     (as the VJP passes it), and on CPU the call takes it itself from x and eps instead of
     reading it: the same bits, from rows the backward reads anyway. Then nothing in a program
     that only wants gradients reads the forward's results, and XLA drops the forward call. On
-    CUDA the kernels read ``rstd``."""
+    CUDA the kernels read ``rstd``. With ``dh`` (x's shape and dtype), dx is the norm's
+    gradient plus dh, rounded once (the fused residual add's backward)."""
     results = [_struct(x, x.shape, x.dtype, typed)]
     if weight is not None:
         results.append(_struct(weight, weight.shape, weight.dtype, typed))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results))
-    attrs = dict(has_weight=weight is not None, row_len=np.int64(x.shape[-1]))
+    attrs = dict(has_weight=weight is not None, row_len=np.int64(x.shape[-1]), **_offset_attrs(offset))
+    if dh is not None:
+        attrs["has_dh"] = True
     w = () if weight is None else (weight,)
+    extra = () if dh is None else (dh,)
 
-    def given(x, rstd, dy, *w):
-        return tuple(call(x, *w, rstd, dy, **attrs))
+    def given(x, rstd, dy, *rest):
+        w, extra = rest[: len(rest) - (dh is not None)], rest[len(rest) - (dh is not None):]
+        return tuple(call(x, *w, rstd, dy, *extra, **attrs))
 
     if eps is None:
-        out = given(x, rstd, dy, *w)
+        out = given(x, rstd, dy, *w, *extra)
     else:
 
-        def from_x(x, rstd, dy, *w):
-            return tuple(call(x, *w, dy, eps=np.float32(eps), **attrs))
+        def from_x(x, rstd, dy, *rest):
+            w, extra = rest[: len(rest) - (dh is not None)], rest[len(rest) - (dh is not None):]
+            return tuple(call(x, *w, dy, *extra, eps=np.float32(eps), **attrs))
 
-        out = jax.lax.platform_dependent(x, rstd, dy, *w, cpu=from_x, default=given)
+        out = jax.lax.platform_dependent(x, rstd, dy, *w, *extra, cpu=from_x, default=given)
     return (out[0], None) if weight is None else (out[0], out[1])
 
 
@@ -146,8 +164,13 @@ def _forward_shardings(mesh, arg_shapes, residual: bool = False):
     return tuple(args), (_named(mesh, *rows, None),) * x_like + (_named(mesh, *rows),)
 
 
-def _backward_shardings(mesh, arg_shapes):
-    has_weight = len(arg_shapes) == 4
+def _backward_has(arg_shapes, has_dh: bool) -> bool:
+    """Whether a backward's operands (x, [weight], rstd, dy, [dh]) include a weight."""
+    return len(arg_shapes) == 4 + has_dh
+
+
+def _backward_shardings(mesh, arg_shapes, has_dh: bool = False):
+    has_weight = _backward_has(arg_shapes, has_dh)
     rows = _row_spec(arg_shapes[0])
     x_sharding, rows_sharding = _named(mesh, *rows, None), _named(mesh, *rows)
     results = [x_sharding]
@@ -159,10 +182,11 @@ def _backward_shardings(mesh, arg_shapes):
         results.append(_named(mesh, *rows[:k], scattered or None))
     else:
         args = [x_sharding, rows_sharding, x_sharding]
+    args += [x_sharding] * has_dh
     return tuple(args), tuple(results)
 
 
-def _shardy_rule(value_types, n_weight_batch: int | None, kind: str):
+def _shardy_rule(value_types, n_weight_batch: int | None, kind: str, has_dh: bool = False):
     """One factor per row dimension (r0, r1, ...), ``n`` (replicated) for x's last axis and a
     factor of its own, ``m``, for the weight's: a sharded weight (FSDP, or along a model axis)
     then does not propagate its sharding into x, y or dy through this op."""
@@ -171,7 +195,7 @@ def _shardy_rule(value_types, n_weight_batch: int | None, kind: str):
     x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
     w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "m")
     if kind == "backward":
-        operands = (x, r, x) if w is None else (x, w, r, x)
+        operands = ((x, r, x) if w is None else (x, w, r, x)) + (x,) * has_dh
         results = (x,) if w is None else (x, w)
     else:
         x_like = (x, x) if kind == "residual" else (x,)
@@ -203,16 +227,17 @@ def _row_mask(mesh, x_global_shape, rows: tuple, x_local):
     return mask
 
 
-def _masked(mask, x, rstd, dy):
-    """Padding rows set to zero in x, rstd and dy: they then add nothing to the weight gradient
-    (even with eps=0, where the padding's rstd would be inf) and their dx is zero."""
+def _masked(mask, x, rstd, dy, dh=None):
+    """Padding rows set to zero in x, rstd, dy and dh: they then add nothing to the weight
+    gradient (even with eps=0, where the padding's rstd would be inf) and their dx is zero."""
     if mask is None:
-        return x, rstd, dy
+        return x, rstd, dy, dh
     keep = mask[..., None]
     return (
         jnp.where(keep, x, jnp.zeros((), x.dtype)),
         jnp.where(mask, rstd, jnp.zeros((), rstd.dtype)),
         jnp.where(keep, dy, jnp.zeros((), dy.dtype)),
+        None if dh is None else jnp.where(keep, dh, jnp.zeros((), dh.dtype)),
     )
 
 
@@ -220,21 +245,23 @@ def _masked(mask, x, rstd, dy):
 # The four partitioned calls
 
 
-def _per_shard_forward(eps, residual: bool):
+def _per_shard_forward(eps, residual: bool, offset: float = 0.0):
     if residual:
-        return lambda x, res, *w: _forward_call(x, w[0] if w else None, eps, typed=False, residual=res)
-    return lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False)
+        return lambda x, res, *w: _forward_call(
+            x, w[0] if w else None, eps, typed=False, residual=res, offset=offset
+        )
+    return lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False, offset=offset)
 
 
-def _forward_partition(eps, residual, mesh, arg_shapes, result_shape):
+def _forward_partition(eps, residual, offset, mesh, arg_shapes, result_shape):
     args, results = _forward_shardings(mesh, arg_shapes, residual)
-    return mesh, _per_shard_forward(eps, residual), results, args
+    return mesh, _per_shard_forward(eps, residual, offset), results, args
 
 
-def _per_shard_backward(mesh, arg_shapes, eps):
+def _per_shard_backward(mesh, arg_shapes, eps, offset: float = 0.0, has_dh: bool = False):
     """The backward one device runs on its shard: the call on its rows (padding masked), then
     the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows."""
-    has_weight = len(arg_shapes) == 4
+    has_weight = _backward_has(arg_shapes, has_dh)
     rows = _row_spec(arg_shapes[0])
     x_global = arg_shapes[0].shape
     if has_weight:
@@ -244,11 +271,15 @@ def _per_shard_backward(mesh, arg_shapes, eps):
         summed = scattered = ()
 
     def run(*operands):
+        dh = operands[-1] if has_dh else None
+        operands = operands[: len(operands) - has_dh]
         x, weight, rstd, dy = operands if has_weight else (operands[0], None, *operands[1:])
         mask = _row_mask(mesh, x_global, rows, x)
-        x, rstd, dy = _masked(mask, x, rstd, dy)
+        x, rstd, dy, dh = _masked(mask, x, rstd, dy, dh)
         # Padding rows have a masked rstd, which x (zero there) and eps=0 would not give.
-        dx, dw = _backward_call(x, weight, rstd, dy, eps if mask is None else None, typed=False)
+        dx, dw = _backward_call(
+            x, weight, rstd, dy, eps if mask is None else None, typed=False, offset=offset, dh=dh
+        )
         if not has_weight:
             return (dx,)
         if scattered:
@@ -263,9 +294,9 @@ def _per_shard_backward(mesh, arg_shapes, eps):
     return run
 
 
-def _backward_partition(eps, mesh, arg_shapes, result_shape):
-    args, results = _backward_shardings(mesh, arg_shapes)
-    return mesh, _per_shard_backward(mesh, arg_shapes, eps), results, args
+def _backward_partition(eps, offset, has_dh, mesh, arg_shapes, result_shape):
+    args, results = _backward_shardings(mesh, arg_shapes, has_dh)
+    return mesh, _per_shard_backward(mesh, arg_shapes, eps, offset, has_dh), results, args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,16 +329,18 @@ def _shard_mapped(per_shard, operands, shardings):
     )(*operands)
 
 
-def explicit_forward(operands, eps, out_avals, residual: bool = False):
+def explicit_forward(operands, eps, out_avals, residual: bool = False, offset: float = 0.0):
     shapes = [jax.typeof(o) for o in operands]
     shardings = _forward_shardings(shapes[0].sharding.mesh, shapes, residual)
-    return _typed_like(_shard_mapped(_per_shard_forward(eps, residual), operands, shardings), out_avals)
+    per_shard = _per_shard_forward(eps, residual, offset)
+    return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
 
 
-def explicit_backward(operands, eps, out_avals):
+def explicit_backward(operands, eps, out_avals, offset: float = 0.0, has_dh: bool = False):
     shapes = [jax.typeof(o) for o in operands]
     mesh = shapes[0].sharding.mesh
-    outs = _shard_mapped(_per_shard_backward(mesh, shapes, eps), operands, _backward_shardings(mesh, shapes))
+    per_shard = _per_shard_backward(mesh, shapes, eps, offset, has_dh)
+    outs = _shard_mapped(per_shard, operands, _backward_shardings(mesh, shapes, has_dh))
     return _typed_like(outs, out_avals)
 
 
@@ -326,59 +359,59 @@ def _make_forward(has_weight: bool, residual: bool):
     # operand list.
     if residual and has_weight:
 
-        def forward(x, res, weight, eps, residual):
-            return _forward_call(x, weight, eps, residual=res)
+        def forward(x, res, weight, eps, residual, offset):
+            return _forward_call(x, weight, eps, residual=res, offset=offset)
 
     elif residual:
 
-        def forward(x, res, eps, residual):
+        def forward(x, res, eps, residual, offset):
             return _forward_call(x, None, eps, residual=res)
 
     elif has_weight:
 
-        def forward(x, weight, eps, residual):
-            return _forward_call(x, weight, eps)
+        def forward(x, weight, eps, residual, offset):
+            return _forward_call(x, weight, eps, offset=offset)
 
     else:
 
-        def forward(x, eps, residual):
+        def forward(x, eps, residual, offset):
             return _forward_call(x, None, eps)
 
     operands = 1 + residual + has_weight
     weight_index = 1 + residual
     kind = "residual" if residual else "forward"
-    fn = custom_partitioning(forward, static_argnums=(operands, operands + 1))
+    fn = custom_partitioning(forward, static_argnums=(operands, operands + 1, operands + 2))
     fn.def_partition(
         partition=_forward_partition,
-        infer_sharding_from_operands=lambda eps, residual, mesh, arg_shapes, result_shape: _forward_shardings(
+        infer_sharding_from_operands=lambda eps, residual, offset, mesh, arg_shapes, result_shape: _forward_shardings(
             mesh, arg_shapes, residual
         )[1],
-        sharding_rule=lambda eps, residual, mesh, value_types, result_types: _shardy_rule(
+        sharding_rule=lambda eps, residual, offset, mesh, value_types, result_types: _shardy_rule(
             value_types, len(value_types[weight_index].shape) - 1 if has_weight else None, kind
         ),
     )
-    return lambda *args, eps: fn(*args, eps, residual)
+    return lambda *args, eps, offset=0.0: fn(*args, eps, residual, offset)
 
 
-def _make_backward(has_weight: bool):
-    if has_weight:
+def _make_backward(has_weight: bool, has_dh: bool):
+    operands = 3 + has_weight + has_dh
 
-        def backward(x, weight, rstd, dy, eps):
-            return _backward_call(x, weight, rstd, dy, eps)
+    def backward(*args):
+        values, (eps, offset, _) = args[:operands], args[operands:]
+        dh = values[-1] if has_dh else None
+        values = values[: operands - has_dh]
+        x, weight, rstd, dy = values if has_weight else (values[0], None, *values[1:])
+        dx, dw = _backward_call(x, weight, rstd, dy, eps, offset=offset, dh=dh)
+        return (dx, dw) if has_weight else (dx,)
 
-    else:
-
-        def backward(x, rstd, dy, eps):
-            return _backward_call(x, None, rstd, dy, eps)[:1]
-
-    fn = custom_partitioning(backward, static_argnums=(3 + has_weight,))
+    fn = custom_partitioning(backward, static_argnums=(operands, operands + 1, operands + 2))
     fn.def_partition(
         partition=_backward_partition,
-        infer_sharding_from_operands=lambda eps, mesh, arg_shapes, result_shape: _backward_shardings(
-            mesh, arg_shapes
+        infer_sharding_from_operands=lambda eps, offset, has_dh, mesh, arg_shapes, result_shape: _backward_shardings(
+            mesh, arg_shapes, has_dh
         )[1],
-        sharding_rule=lambda eps, mesh, value_types, result_types: _shardy_rule(
-            value_types, len(value_types[1].shape) - 1 if has_weight else None, "backward"
+        sharding_rule=lambda eps, offset, has_dh, mesh, value_types, result_types: _shardy_rule(
+            value_types, len(value_types[1].shape) - 1 if has_weight else None, "backward", has_dh
         ),
     )
     return fn
@@ -392,8 +425,8 @@ def partitioned_forward(has_weight: bool, residual: bool = False):
 
 
 @functools.cache
-def partitioned_backward(has_weight: bool):
-    """``f(x, [weight], rstd, dy, eps=...) -> (dx, [dweight])``, partitioned as the module
-    docstring says (``eps``: see `_backward_call`)."""
-    fn = _make_backward(has_weight)
-    return lambda *args, eps: fn(*args, eps)
+def partitioned_backward(has_weight: bool, has_dh: bool = False):
+    """``f(x, [weight], rstd, dy, [dh], eps=..., offset=...) -> (dx, [dweight])``, partitioned
+    as the module docstring says (``eps``, ``dh``: see `_backward_call`)."""
+    fn = _make_backward(has_weight, has_dh)
+    return lambda *args, eps, offset=0.0: fn(*args, eps, offset, has_dh)

@@ -71,35 +71,46 @@ def _aligned(*values):
     return out
 
 
-def forward(x, weight, eps: float):
-    """``(y, rstd)``."""
+def forward(x, weight, eps: float, offset: float = 0.0):
+    """``(y, rstd)``; the weight applied is ``offset + weight``."""
     args = (x,) if weight is None else (x, weight)
-    return tuple(forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
+    return tuple(forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset))
 
 
-def residual_forward(x, residual, weight, eps: float):
+def residual_forward(x, residual, weight, eps: float, offset: float = 0.0):
     """``(y, h, rstd)``."""
     args = (x, residual) if weight is None else (x, residual, weight)
-    return tuple(residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None))
+    return tuple(residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset))
 
 
-def backward(x, weight, rstd, dy, eps=None):
+def backward(x, weight, rstd, dy, eps=None, offset: float = 0.0, dh=None):
     """``(dx, dweight)``; dweight is None without weight. ``eps`` (from the VJP): ``rstd`` is
-    the forward's of x with this eps, which lets the CPU take it from x (`_partitioning`)."""
+    the forward's of x with this eps, which lets the CPU take it from x (`_partitioning`).
+    ``dh``: added to dx before it is rounded (the fused residual's backward)."""
     args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
-    out = backward_p.bind(*_aligned(*args), has_weight=weight is not None, eps=eps)
+    args += () if dh is None else (dh,)
+    out = backward_p.bind(
+        *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, has_dh=dh is not None
+    )
     return (out[0], None) if weight is None else (out[0], out[1])
 
 
-def _tangent(x, weight, rstd, tx, tw, eps):
+def _tangent(x, weight, rstd, tx, tw, eps, offset=0.0, residual=False):
+    """``(ty, trstd)``; with ``residual``, ``(ty, th, trstd)`` where ``th`` is ``tx`` passed
+    through, so that the transpose receives h's cotangent with y's and fuses the two."""
     args = (x, rstd, tx) if weight is None else (x, weight, rstd, tx, tw)
-    return tuple(tangent_p.bind(*_aligned(*args), has_weight=weight is not None, eps=eps))
+    return tuple(
+        tangent_p.bind(
+            *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, residual=residual
+        )
+    )
 
 
-def _split(args, has_weight: bool, names: str):
+def _split(args, has_weight: bool, names: str, has_dh: bool = False):
     """Operands by role: `names` is the operand order with a weight ("xwrd"), the weight-like
-    letters being dropped when there is none."""
+    letters being dropped when there is none (and "h", dh, when the call has none)."""
     order = names if has_weight else names.replace("w", "").replace("v", "")
+    order = order if has_dh else order.replace("h", "")
     found = dict(zip(order, args))
     return [found.get(c) for c in names]
 
@@ -114,19 +125,19 @@ def _without_last(aval):
     return NamedSharding(sharding.mesh, P(*spec[:-1]))
 
 
-def _forward_abstract(*avals, eps, has_weight):
+def _forward_abstract(*avals, eps, has_weight, offset=0.0):
     x = avals[0]
     rstd = x.update(shape=x.shape[:-1], dtype=_math.acc_dtype(x.dtype), sharding=_without_last(x))
     return [x.update(weak_type=False), rstd]
 
 
-def _residual_abstract(*avals, eps, has_weight):
+def _residual_abstract(*avals, eps, has_weight, offset=0.0):
     y, rstd = _forward_abstract(avals[0], *avals[2:], eps=eps, has_weight=has_weight)
     return [y, y, rstd]
 
 
-def _backward_abstract(*avals, has_weight, eps):
-    x, w, _, _ = _split(avals, has_weight, "xwrd")
+def _backward_abstract(*avals, has_weight, eps, offset=0.0, has_dh=False):
+    x, w, _, _, _ = _split(avals, has_weight, "xwrdh", has_dh)
     out = [x.update(weak_type=False)]
     if has_weight:
         # Typed like the weight, on the operands' varying axes.
@@ -134,9 +145,10 @@ def _backward_abstract(*avals, has_weight, eps):
     return out
 
 
-def _tangent_abstract(*avals, has_weight, eps):
-    x, _, rstd, _, _ = _split(avals, has_weight, "xwrtv")
-    return [x.update(weak_type=False), rstd]
+def _tangent_abstract(*avals, has_weight, eps, offset=0.0, residual=False):
+    x, _, rstd, tx, _ = _split(avals, has_weight, "xwrtv")
+    ty = x.update(weak_type=False)
+    return [ty, tx.update(weak_type=False), rstd] if residual else [ty, rstd]
 
 
 forward_p.def_abstract_eval(_forward_abstract)
@@ -156,29 +168,31 @@ def _apply(prim):
     return lambda *args, **params: dispatch.apply_primitive(prim, *args, **params)
 
 
-def _forward_lowered(*args, eps, has_weight):
+def _forward_lowered(*args, eps, has_weight, offset):
     if _partitioning.is_explicit(jax.typeof(args[0])):
-        return _partitioning.explicit_forward(args, eps, _forward_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight))
-    return _partitioning.partitioned_forward(has_weight)(*args, eps=eps)
+        avals = _forward_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight)
+        return _partitioning.explicit_forward(args, eps, avals, offset=offset)
+    return _partitioning.partitioned_forward(has_weight)(*args, eps=eps, offset=offset)
 
 
-def _residual_lowered(*args, eps, has_weight):
+def _residual_lowered(*args, eps, has_weight, offset):
     if _partitioning.is_explicit(jax.typeof(args[0])):
         avals = _residual_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight)
-        return _partitioning.explicit_forward(args, eps, avals, residual=True)
-    return _partitioning.partitioned_forward(has_weight, residual=True)(*args, eps=eps)
+        return _partitioning.explicit_forward(args, eps, avals, residual=True, offset=offset)
+    return _partitioning.partitioned_forward(has_weight, residual=True)(*args, eps=eps, offset=offset)
 
 
-def _backward_lowered(*args, has_weight, eps):
+def _backward_lowered(*args, has_weight, eps, offset, has_dh):
     if _partitioning.is_explicit(jax.typeof(args[0])):
-        avals = _backward_abstract(*map(jax.typeof, args), has_weight=has_weight, eps=eps)
-        return _partitioning.explicit_backward(args, eps, avals)
-    return _partitioning.partitioned_backward(has_weight)(*args, eps=eps)
+        avals = _backward_abstract(*map(jax.typeof, args), has_weight=has_weight, eps=eps, has_dh=has_dh)
+        return _partitioning.explicit_backward(args, eps, avals, offset=offset, has_dh=has_dh)
+    return _partitioning.partitioned_backward(has_weight, has_dh)(*args, eps=eps, offset=offset)
 
 
-def _tangent_math(*args, has_weight, eps):
+def _tangent_math(*args, has_weight, eps, offset, residual):
     x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
-    return list(_math.tangent(x, w, rstd, tx, tw))
+    ty, trstd = _math.tangent(x, w, rstd, tx, tw, offset)
+    return [ty, tx, trstd] if residual else [ty, trstd]
 
 
 def _checked(rule):
@@ -279,29 +293,30 @@ def _fold(args, dims, roles: str, weight_batched_out: bool):
     return out
 
 
-def _forward_batch(args, dims, *, eps, has_weight):
-    roles = "xw" if has_weight else "x"
+def _forward_batch(args, dims, **params):
+    roles = "xw" if params["has_weight"] else "x"
     folded = _fold(args, dims, roles, weight_batched_out=False)
-    return forward_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0]
+    return forward_p.bind(*folded, **params), [0, 0]
 
 
-def _residual_batch(args, dims, *, eps, has_weight):
-    folded = _fold(args, dims, "xxw" if has_weight else "xx", weight_batched_out=False)
-    return residual_p.bind(*folded, eps=eps, has_weight=has_weight), [0, 0, 0]
+def _residual_batch(args, dims, **params):
+    folded = _fold(args, dims, "xxw" if params["has_weight"] else "xx", weight_batched_out=False)
+    return residual_p.bind(*folded, **params), [0, 0, 0]
 
 
-def _backward_batch(args, dims, *, has_weight, eps):
+def _backward_batch(args, dims, **params):
     # Per-example weight gradients: the weight is batched whenever anything is.
-    roles = "xwxx" if has_weight else "xxx"
+    roles = ("xwxx" if params["has_weight"] else "xxx") + "x" * params["has_dh"]
     folded = _fold(args, dims, roles, weight_batched_out=True)
-    out = backward_p.bind(*folded, has_weight=has_weight, eps=eps)
+    out = backward_p.bind(*folded, **params)
     return out, [0] * len(out)
 
 
-def _tangent_batch(args, dims, *, has_weight, eps):
-    roles = "xwxxw" if has_weight else "xxx"
+def _tangent_batch(args, dims, **params):
+    roles = "xwxxw" if params["has_weight"] else "xxx"
     folded = _fold(args, dims, roles, weight_batched_out=False)
-    return tangent_p.bind(*folded, has_weight=has_weight, eps=eps), [0, 0]
+    out = tangent_p.bind(*folded, **params)
+    return out, [0] * len(out)
 
 
 batching.primitive_batchers[forward_p] = _forward_batch
@@ -318,18 +333,18 @@ def _instantiate(tangent):
     return ad.instantiate_zeros(tangent) if type(tangent) is ad.Zero else tangent
 
 
-def _forward_jvp(primals, tangents, *, eps, has_weight):
+def _forward_jvp(primals, tangents, *, eps, has_weight, offset):
     x, w = primals if has_weight else (primals[0], None)
-    y, rstd = forward(x, w, eps)
+    y, rstd = forward(x, w, eps, offset)
     tx = _instantiate(tangents[0])
     tw = _instantiate(tangents[1]) if has_weight else None
-    ty, trstd = _tangent(x, w, rstd, tx, tw, eps)
+    ty, trstd = _tangent(x, w, rstd, tx, tw, eps, offset)
     return (y, rstd), (ty, trstd)
 
 
-def _residual_jvp(primals, tangents, *, eps, has_weight):
+def _residual_jvp(primals, tangents, *, eps, has_weight, offset):
     x, res, w = primals if has_weight else (*primals, None)
-    y, h, rstd = residual_forward(x, res, w, eps)
+    y, h, rstd = residual_forward(x, res, w, eps, offset)
     tx, tres = tangents[0], tangents[1]
     if type(tx) is ad.Zero and type(tres) is ad.Zero:
         th = jnp.zeros(h.shape, h.dtype)
@@ -337,24 +352,30 @@ def _residual_jvp(primals, tangents, *, eps, has_weight):
         th = _instantiate(tx) if type(tres) is ad.Zero else (
             _instantiate(tres) if type(tx) is ad.Zero else tx + tres)
     tw = _instantiate(tangents[2]) if has_weight else None
-    ty, trstd = _tangent(h, w, rstd, th, tw, eps)
+    # h's tangent passes through the tangent primitive, so reverse mode hands its cotangent to
+    # the same transpose as y's: one backward call, dx rounded once.
+    ty, th, trstd = _tangent(h, w, rstd, th, tw, eps, offset, residual=True)
     return (y, h, rstd), (ty, th, trstd)
 
 
-def _tangent_transpose(cts, *args, has_weight, eps):
+def _tangent_transpose(cts, *args, has_weight, eps, offset, residual):
     x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
-    ct_y, ct_rstd = cts
+    if residual:
+        ct_y, ct_h, ct_rstd = cts
+        ct_h = None if type(ct_h) is ad.Zero else ct_h
+    else:
+        (ct_y, ct_rstd), ct_h = cts, None
     for primal in (x, w, rstd):
         if ad.is_undefined_primal(primal):
             raise NotImplementedError("rmsnorm_tangent is linear in its tangents only")
     want_x = ad.is_undefined_primal(tx)
     want_w = has_weight and ad.is_undefined_primal(tw)
     none = [None] * len(args)
-    if type(ct_y) is ad.Zero and type(ct_rstd) is ad.Zero:
+    if type(ct_y) is ad.Zero and type(ct_rstd) is ad.Zero and ct_h is None:
         return none
     if type(ct_y) is ad.Zero:
         ct_y = jnp.zeros(x.shape, x.dtype)
-    dx, dw = backward(x, w, rstd, ct_y, eps)  # the fused Rust backward
+    dx, dw = backward(x, w, rstd, ct_y, eps, offset, dh=ct_h)  # the fused Rust backward
     if type(ct_rstd) is not ad.Zero:
         dx = dx + _math.rstd_cotangent(x, rstd, ct_rstd)
     out = [None, None, None, dx if want_x else None, dw if want_w else None]
@@ -375,9 +396,9 @@ def _math_jvp(prim, math):
     return jvp
 
 
-def _backward_math(*args, has_weight, eps):
-    x, w, rstd, dy = _split(args, has_weight, "xwrd")
-    dx, dw = _math.backward(x, w, rstd, dy)
+def _backward_math(*args, has_weight, eps, offset, has_dh):
+    x, w, rstd, dy, dh = _split(args, has_weight, "xwrdh", has_dh)
+    dx, dw = _math.backward(x, w, rstd, dy, offset, dh)
     return [dx] if w is None else [dx, dw]
 
 
