@@ -98,12 +98,13 @@ def _check_options(module, x, mask) -> tuple[int, tuple[bool, ...]]:
     return axes
 
 
-def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,))):
+def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,)), offset=0.0):
     """flax's RMS normalization of `x` (an array) by `scale` (an array or None) with flax's dtype
     rules (see the module docstring), computed by `rms_norm`. With a `residual` (x's shape and
     dtype), the normalization of ``h = x + residual`` instead, and ``(y, h)`` is returned: the
     fused `rms_norm_residual` when the op runs in x's dtype, else the add then the norm. `axes`:
-    `_axes`'s (k trailing axes, and which are the scale's: it broadcasts along the others)."""
+    `_axes`'s (k trailing axes, and which are the scale's: it broadcasts along the others).
+    `offset`: the scale applied is ``offset + scale`` (added in the op's accumulation dtype)."""
     if residual is not None:
         residual = jnp.asarray(residual)
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -140,13 +141,16 @@ def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,))):
         # The op's weight has the normalized axes' shape; the scale broadcasts along the
         # reduced axes that are not feature axes (its gradient sums over them).
         weight = jnp.broadcast_to(weight.reshape(scale_shape), x.shape[x.ndim - k:])
+    if offset and weight is None:
+        raise ValueError("rmsnorm_ffi.RMSNorm: scale_offset needs use_scale=True (it offsets the scale)")
+    opts = dict(axis=axis, scale_offset=offset)
     if residual is None:
-        return rms_norm(x.astype(op_dtype), weight, epsilon, axis=axis).astype(out_dtype)
+        return rms_norm(x.astype(op_dtype), weight, epsilon, **opts).astype(out_dtype)
     if op_dtype == x.dtype:
-        y, h = rms_norm_residual(x, residual, weight, epsilon, axis=axis)
+        y, h = rms_norm_residual(x, residual, weight, epsilon, **opts)
         return y.astype(out_dtype), h
     h = x + residual
-    return rms_norm(h.astype(op_dtype), weight, epsilon, axis=axis).astype(out_dtype), h
+    return rms_norm(h.astype(op_dtype), weight, epsilon, **opts).astype(out_dtype), h
 
 
 class RMSNorm(nn.RMSNorm):
@@ -161,7 +165,13 @@ class RMSNorm(nn.RMSNorm):
     `force_float32_reductions=True`.
     `use_fast_variance` is accepted and has no effect (RMS norm has no mean to subtract).
     Anything else raises `ValueError`.
+
+    One field flax's module lacks: `scale_offset` (default 0.0), the scale applied being
+    ``scale_offset + scale`` (zero-centred gamma, as Gemma's RMSNorm with ``scale_init`` zeros
+    and an offset of 1), added inside the op in float32.
     """
+
+    scale_offset: float = 0.0
 
     @nn.compact
     def __call__(self, x, residual=None, *, mask=None):
@@ -181,7 +191,7 @@ class RMSNorm(nn.RMSNorm):
             shape = tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
             scale = self.param("scale", self.scale_init, shape, self.param_dtype)
             scale = jnp.asarray(scale)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset)
 
 
 class NnxRMSNorm(nnx.RMSNorm):
@@ -192,8 +202,13 @@ class NnxRMSNorm(nnx.RMSNorm):
     go through `promote_dtype((x, scale), dtype=dtype)` first (by default both are cast to
     `dtype`, else to their promotion; a custom function may return anything, the identity
     included), then the rules of the Linen module apply to what it returned. Values and
-    supported options as for the Linen module.
+    supported options as for the Linen module, `scale_offset` included (a keyword of the
+    constructor).
     """
+
+    def __init__(self, *args, scale_offset: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale_offset = scale_offset
 
     def __call__(self, x, mask=None, *, residual=None):
         """The norm of `x`; with `residual`, ``(norm(h), h)`` for ``h = x + residual``, the
@@ -207,4 +222,4 @@ class NnxRMSNorm(nnx.RMSNorm):
                 residual = residual.astype(x.dtype)
         scale = None if scale is None else jnp.asarray(scale)
         axes = _check_options(self, x, mask)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset)

@@ -470,3 +470,38 @@ def test_integer_input_as_flax_and_complex_rejected():
     _assert_close(nnx_ours(x), nnx_theirs(x), *TOLERANCES[jnp.dtype(jnp.float32)])
     with pytest.raises(TypeError, match=r"rmsnorm_ffi.RMSNorm: x \(complex64\)"):
         ours.apply(variables, x.astype(jnp.complex64))
+
+
+@pytest.mark.parametrize("config", CONFIGS[:4], ids=_name)
+def test_scale_offset_is_flaxs_norm_with_the_scale_shifted(config):
+    # Gemma's zero-centred gamma: a scale s applied as (1 + s) is flax's RMSNorm with scale
+    # 1 + s, and the gradient with respect to s is flax's with respect to its scale.
+    from flax import nnx
+
+    import rmsnorm_ffi.nnx
+
+    x_dtype, param_dtype, dtype = config
+    x = _input(x_dtype)
+    shifted = jax.random.normal(jax.random.key(3), (x.shape[-1],), jnp.float32).astype(param_dtype) * 0.1
+    ours = rmsnorm_ffi.RMSNorm(scale_offset=1.0, param_dtype=param_dtype, dtype=dtype)
+    theirs = nn.RMSNorm(param_dtype=param_dtype, dtype=dtype)
+    p_ours = {"params": {"scale": shifted}}
+    p_theirs = {"params": {"scale": (1.0 + shifted.astype(jnp.float32)).astype(jnp.float32)}}
+    theirs_f = lambda p, x: nn.RMSNorm(param_dtype=jnp.float32, dtype=dtype).apply(p, x)
+    want = theirs_f(p_theirs, x).astype(theirs.apply({"params": {"scale": shifted}}, x).dtype)
+    got = ours.apply(p_ours, x)
+    rtol, atol = _tolerance(want.dtype, x_dtype, param_dtype)
+    _assert_close(got, want, rtol, atol)
+    cot = jax.random.normal(jax.random.key(4), x.shape, jnp.float32).astype(got.dtype)
+    g_ours = jax.grad(lambda p: jnp.vdot(ours.apply(p, x).astype(jnp.float32), cot.astype(jnp.float32)))(p_ours)
+    g_theirs = jax.grad(lambda p: jnp.vdot(theirs_f(p, x).astype(jnp.float32), cot.astype(jnp.float32)))(p_theirs)
+    np.testing.assert_allclose(
+        np.asarray(g_ours["params"]["scale"], np.float32), np.asarray(g_theirs["params"]["scale"], np.float32), rtol=rtol, atol=atol * 15
+    )
+    # nnx: the same module through the constructor keyword (its promote_dtype may cast the
+    # scale to `dtype` first, as flax's nnx module does).
+    m = rmsnorm_ffi.nnx.RMSNorm(x.shape[-1], scale_offset=1.0, param_dtype=param_dtype, dtype=dtype, rngs=nnx.Rngs(0))
+    m.scale[...] = shifted
+    _assert_close(m(x), want, rtol, atol)
+    with pytest.raises(ValueError, match="scale_offset needs use_scale=True"):
+        rmsnorm_ffi.RMSNorm(scale_offset=1.0, use_scale=False).init(jax.random.key(0), x)
