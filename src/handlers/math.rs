@@ -1030,23 +1030,31 @@ pub fn backward_row_adding<T: Element, W: Element, A: Accum>(
     dy: &[T],
     dh: &[T],
     dx: &mut [T],
-    mut dw_acc: Option<&mut [A::Wide]>,
+    dw_acc: Option<&mut [A::Wide]>,
 ) {
     let n = x.len();
     if n == 0 {
         return;
     }
     let (r, c) = row_factors(rstd, 0, row_sums::<T, W, A>(x, w, dy), n);
-    for i in 0..n {
-        let xhat = A::load(x[i]) * r;
-        let d = A::load(dy[i]);
-        let g = match w {
-            Some(w) => d * A::load(w[i]),
-            None => d,
-        };
-        dx[i] = (r * (g - xhat * c) + A::load(dh[i])).store();
-        if let Some(acc) = dw_acc.as_deref_mut() {
-            acc[i] = acc[i].add((d * xhat).to_f64());
+    // One loop per case, each without branches, so that they vectorize as
+    // `backward_second_pass`'s do.
+    let out = |xi: T, g: A, hi: T| (r * (g - A::load(xi) * r * c) + A::load(hi)).store::<T>();
+    match w {
+        Some(w) => {
+            for ((((o, &xi), &di), &wi), &hi) in dx.iter_mut().zip(x).zip(dy).zip(w).zip(dh) {
+                *o = out(xi, A::load(di) * A::load(wi), hi);
+            }
+        }
+        None => {
+            for (((o, &xi), &di), &hi) in dx.iter_mut().zip(x).zip(dy).zip(dh) {
+                *o = out(xi, A::load(di), hi);
+            }
+        }
+    }
+    if let Some(acc) = dw_acc {
+        for ((a, &xi), &di) in acc.iter_mut().zip(x).zip(dy) {
+            *a = a.add((A::load(di) * (A::load(xi) * r)).to_f64());
         }
     }
 }

@@ -581,8 +581,7 @@ struct BackwardInputs<'a, T, W, A> {
 }
 
 impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
-    /// Rows `first..` (as many as `dx_rows` holds): two rows per loop when they share one
-    /// weight row and accumulate its gradient (`math::backward_rows_paired`), else row by row.
+    /// Rows `first..` (as many as `dx_rows` holds), with dh added to dx where the call has it.
     #[inline(always)]
     fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A::Wide]>) {
         let n = self.n;
@@ -596,22 +595,51 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
             self.w
                 .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
         };
-        if let Some(dh) = self.dh {
-            // Row by row, dx rounded once after dh is added (`math::backward_row_adding`).
-            for (i, dx) in dx_rows.chunks_exact_mut(n).enumerate() {
-                let row = (first + i) * n..(first + i + 1) * n;
-                backward_row_adding::<T, W, A>(
-                    &self.x[row.clone()],
-                    w_of(i),
-                    rstd.from_row(i),
-                    &self.dy[row.clone()],
-                    &dh[row],
-                    dx,
-                    acc.as_deref_mut(),
-                );
+        // x in the accumulation dtype: the kernels' dx is the unrounded norm gradient itself,
+        // so adding dh to it afterwards (from cache) rounds once, the bits of
+        // `math::backward_row_adding` at the kernels' speed. (The kernels are inlined here
+        // once: twice made the debug build's frame overflow a test thread's stack.)
+        let accumulation_dtype = std::any::TypeId::of::<T>() == std::any::TypeId::of::<A>();
+        match self.dh {
+            Some(dh) if !accumulation_dtype => {
+                // Half precision: row by row, dx rounded once after dh is added.
+                for (i, dx) in dx_rows.chunks_exact_mut(n).enumerate() {
+                    let row = (first + i) * n..(first + i + 1) * n;
+                    backward_row_adding::<T, W, A>(
+                        &self.x[row.clone()],
+                        w_of(i),
+                        rstd.from_row(i),
+                        &self.dy[row.clone()],
+                        &dh[row],
+                        dx,
+                        acc.as_deref_mut(),
+                    );
+                }
             }
-            return;
+            dh => {
+                self.kernel_rows(first, dx_rows, acc);
+                if let Some(dh) = dh {
+                    for (o, &h) in dx_rows.iter_mut().zip(&dh[span]) {
+                        *o = (A::load(*o) + A::load(h)).store();
+                    }
+                }
+            }
         }
+    }
+
+    /// [`Self::rows_from`] without dh: two rows per loop when they share one weight row and
+    /// accumulate its gradient (`math::backward_rows_paired`), else row by row.
+    #[inline(always)]
+    fn kernel_rows(&self, first: usize, dx_rows: &mut [T], acc: Option<&mut [A::Wide]>) {
+        let n = self.n;
+        let count = dx_rows.len() / n;
+        let span = first * n..(first + count) * n;
+        let rstd = self.rstd.from_row(first);
+        let w_of = |i: usize| {
+            self.w
+                .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
+        };
+        let mut acc = acc;
         let one_group =
             count == 0 || first / self.rows_per_group == (first + count - 1) / self.rows_per_group;
         if let (Some(w), Some(acc), true) = (w_of(0), acc.as_deref_mut(), one_group) {

@@ -809,3 +809,191 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
         check::<f16, f32>(n, rows);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Scale offset and dh
+// ---------------------------------------------------------------------------------------------
+
+/// One call of `def` with these attributes, arguments and result (dtype, dims); its results.
+fn call_bundle(
+    def: &BundleDef,
+    attrs: Vec<(&str, OwnedAttr)>,
+    args: Vec<OwnedBuffer>,
+    rets: &[(DataType, Vec<i64>)],
+) -> Vec<OwnedBuffer> {
+    register();
+    let ctx = FakeContext::with_threads(3);
+    instantiate(&ctx, def, attrs).unwrap();
+    let mut frame = FrameBuilder::new(Stage::Execute);
+    for a in args {
+        frame = frame.arg(a);
+    }
+    for (d, dims) in rets {
+        frame = frame.ret(OwnedBuffer::zeros(*d, dims));
+    }
+    let mut f = frame.build(&ctx);
+    f.call(def.handler(Stage::Execute).unwrap()).unwrap();
+    (0..rets.len()).map(|k| f.result(k).clone()).collect()
+}
+
+/// `(y, rstd, dx, dw)` of forward then backward, the weight applied with `offset` and, given
+/// `dh`, the backward adding it.
+fn forward_backward<T: Element + NativeType, W: Element + NativeType>(
+    dims: &[i64],
+    w: &[W],
+    offset: f32,
+    dh: Option<&[T]>,
+) -> [OwnedBuffer; 4] {
+    let n = *dims.last().unwrap();
+    let count = dims.iter().product::<i64>() as usize;
+    let lead = dims[..dims.len() - 1].to_vec();
+    let acc = crate::handlers::contract::accumulation(T::DTYPE).unwrap();
+    let x: Vec<T> = values(count, 3).into_iter().map(T::from_f32).collect();
+    let dy: Vec<T> = values(count, 4).into_iter().map(T::from_f32).collect();
+    let mut attrs = vec![
+        ("has_weight", OwnedAttr::pred(true)),
+        ("row_len", OwnedAttr::scalar(n)),
+    ];
+    if offset != 0.0 {
+        attrs.push(("scale_offset", OwnedAttr::scalar(offset)));
+    }
+    let mut fwd_attrs = attrs.clone();
+    fwd_attrs.push(("eps", OwnedAttr::scalar(1e-5f32)));
+    let wb = OwnedBuffer::from_values(&[n], w);
+    let [y, rstd]: [OwnedBuffer; 2] = call_bundle(
+        &FORWARD_BUNDLE,
+        fwd_attrs,
+        vec![OwnedBuffer::from_values(dims, &x), wb.clone()],
+        &[(T::DTYPE, dims.to_vec()), (acc, lead)],
+    )
+    .try_into()
+    .unwrap();
+    let mut args = vec![
+        OwnedBuffer::from_values(dims, &x),
+        wb,
+        rstd.clone(),
+        OwnedBuffer::from_values(dims, &dy),
+    ];
+    if let Some(dh) = dh {
+        attrs.push(("has_dh", OwnedAttr::pred(true)));
+        args.push(OwnedBuffer::from_values(dims, dh));
+    }
+    let [dx, dw]: [OwnedBuffer; 2] = call_bundle(
+        &BACKWARD_BUNDLE,
+        attrs,
+        args,
+        &[(T::DTYPE, dims.to_vec()), (W::DTYPE, vec![n])],
+    )
+    .try_into()
+    .unwrap();
+    [y, rstd, dx, dw]
+}
+
+/// A scale offset is the plain op with the weight `offset + w` taken in the accumulation dtype
+/// (handed over as a weight of that dtype): the same bits of y, rstd and dx, and dweight that
+/// one rounded to w's dtype.
+fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>(dims: &[i64]) {
+    let n = *dims.last().unwrap() as usize;
+    let w: Vec<W> = values(n, 9)
+        .into_iter()
+        .map(|v| W::from_f32(v * 0.1))
+        .collect();
+    let with_offset = forward_backward::<T, W>(dims, &w, 1.0, None);
+    let what = format!("{} x, {} weight, {dims:?}", T::DTYPE, W::DTYPE);
+    let check = |shifted: [OwnedBuffer; 4], acc_bits: fn(&OwnedBuffer) -> Vec<u64>| {
+        for k in 0..3 {
+            assert_eq!(with_offset[k].data, shifted[k].data, "result {k}, {what}");
+        }
+        let dw: Vec<u64> = acc_bits(&shifted[3]);
+        assert_eq!(bits(&with_offset[3].values::<W>()), dw, "dw, {what}");
+    };
+    if T::DTYPE == DataType::F64 {
+        let shifted: Vec<f64> = w.iter().map(|&v| 1.0 + v.to_f64()).collect();
+        check(forward_backward::<T, f64>(dims, &shifted, 0.0, None), |b| {
+            bits(
+                &b.values::<f64>()
+                    .into_iter()
+                    .map(W::from_f64)
+                    .collect::<Vec<W>>(),
+            )
+        });
+    } else {
+        let shifted: Vec<f32> = w.iter().map(|&v| 1.0 + v.to_f32()).collect();
+        check(forward_backward::<T, f32>(dims, &shifted, 0.0, None), |b| {
+            bits(
+                &b.values::<f32>()
+                    .into_iter()
+                    .map(|v| W::from_f64(v as f64))
+                    .collect::<Vec<W>>(),
+            )
+        });
+    }
+}
+
+#[test]
+fn a_scale_offset_applies_offset_plus_w_in_the_accumulation_dtype() {
+    for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1]] {
+        offset_is_the_offset_weight::<f32, f32>(dims);
+        offset_is_the_offset_weight::<bf16, bf16>(dims);
+        offset_is_the_offset_weight::<f16, bf16>(dims);
+        offset_is_the_offset_weight::<f32, f16>(dims);
+        offset_is_the_offset_weight::<f64, bf16>(dims);
+    }
+}
+
+/// dh of zeros: dx has the plain backward's bits; any dh: dx is within one rounding of the
+/// plain backward's dx plus dh (exactly that sum, rounded once, where x is the accumulation
+/// dtype and the plain dx is unrounded).
+fn dh_adds_once<T: Element + NativeType>(dims: &[i64]) {
+    let n = *dims.last().unwrap() as usize;
+    let count = dims.iter().product::<i64>() as usize;
+    let w: Vec<T> = values(n, 5)
+        .into_iter()
+        .map(|v| T::from_f32(v + 1.5))
+        .collect();
+    let plain = forward_backward::<T, T>(dims, &w, 0.0, None);
+    let zeros = vec![T::default(); count];
+    let with_zeros = forward_backward::<T, T>(dims, &w, 0.0, Some(&zeros));
+    let what = format!("{} {dims:?}", T::DTYPE);
+    assert_eq!(plain[2].data, with_zeros[2].data, "dx with dh = 0, {what}");
+    let dh: Vec<T> = values(count, 6).into_iter().map(T::from_f32).collect();
+    let with_dh = forward_backward::<T, T>(dims, &w, 0.0, Some(&dh));
+    let (dx, base) = (with_dh[2].values::<T>(), plain[2].values::<T>());
+    let exact = matches!(T::DTYPE, DataType::F32 | DataType::F64);
+    for i in 0..count {
+        let want = base[i].to_f64() + dh[i].to_f64();
+        let got = dx[i].to_f64();
+        if exact {
+            assert_eq!(
+                got.to_bits(),
+                T::from_f64(want).to_f64().to_bits(),
+                "dx[{i}], {what}"
+            );
+        } else {
+            // The plain dx was rounded already (half an ulp of its own magnitude, which the
+            // sum may cancel) and the fused one rounds once: within one ulp at the larger term.
+            let ulp = (base[i].to_f64().abs().max(dh[i].to_f64().abs()) * 2f64.powi(-7)).max(1e-7);
+            assert!(
+                (got - want).abs() <= ulp,
+                "dx[{i}] = {got}, want {want}, {what}"
+            );
+        }
+    }
+    // dweight does not see dh.
+    let close_dw = plain[3]
+        .values::<T>()
+        .iter()
+        .zip(with_dh[3].values::<T>())
+        .all(|(a, b)| (a.to_f64() - b.to_f64()).abs() <= 1e-2 * (1.0 + a.to_f64().abs()));
+    assert!(close_dw, "dw, {what}");
+}
+
+#[test]
+fn dh_is_added_to_dx_before_its_one_rounding() {
+    for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1], &[64, 256]] {
+        dh_adds_once::<f32>(dims);
+        dh_adds_once::<f64>(dims);
+        dh_adds_once::<bf16>(dims);
+        dh_adds_once::<f16>(dims);
+    }
+}
