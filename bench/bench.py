@@ -111,6 +111,24 @@ def variants(dtype):
 
         return jax.jit(run)
 
+    # The drop-in variants, beside the plain op: a scale offset (Gemma's 1 + w), a weight of the
+    # other dtype (float32 x with a bfloat16 weight, bfloat16 x with a float32 one; the cast of
+    # the n-element weight is in the timed program), and the fused residual's gradient (through
+    # y and h, dx rounded once) against the add then the norm.
+    other = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else jnp.float32
+    offset = lambda x, w: rms_norm(x, w, scale_offset=1.0)  # noqa: E731
+    mixed = lambda x, w: rms_norm(x, w.astype(other))  # noqa: E731
+
+    def residual_grad(fused):
+        def f(x, r, w):
+            return rms_norm_residual(x, r, w) if fused else (rms_norm(x + r, w), x + r)
+
+        def run(x, w, dy):
+            _, pullback = jax.vjp(f, x, dy, w)
+            return pullback((dy, dy))
+
+        return jax.jit(run)
+
     return {
         "fwd ours": (jax.jit(lambda x, w, dy: rms_norm(x, w)), "x,w,dy"),
         "fwd floor": (jax.jit(lambda x, w, dy: x * c), "x,w,dy"),
@@ -123,6 +141,12 @@ def variants(dtype):
         "res fused": (jax.jit(lambda x, w, dy: rms_norm_residual(x, dy, w)), "x,w,dy"),
         "res unfused": (jax.jit(lambda x, w, dy: (rms_norm(x + dy, w), x + dy)), "x,w,dy"),
         "res jnp": (jax.jit(lambda x, w, dy: (rms_norm_reference(x + dy, w), x + dy)), "x,w,dy"),
+        "fwd offset": (jax.jit(lambda x, w, dy: offset(x, w)), "x,w,dy"),
+        "fwd+bwd offset": (vjp_of(offset), "x,w,dy"),
+        "fwd mixed": (jax.jit(lambda x, w, dy: mixed(x, w)), "x,w,dy"),
+        "fwd+bwd mixed": (vjp_of(mixed), "x,w,dy"),
+        "res grad fused": (residual_grad(True), "x,w,dy"),
+        "res grad unfused": (residual_grad(False), "x,w,dy"),
     }
 
 
@@ -358,6 +382,11 @@ def main():
                 "fwd+bwd / jnp": ratio(times, "fwd+bwd ours", "fwd+bwd jnp")[0],
                 "residual fused / unfused": ratio(times, "res fused", "res unfused")[0],
                 "residual fused / jnp": ratio(times, "res fused", "res jnp")[0],
+                "offset / plain fwd": ratio(times, "fwd offset", "fwd ours")[0],
+                "offset / plain fwd+bwd": ratio(times, "fwd+bwd offset", "fwd+bwd ours")[0],
+                "mixed / plain fwd": ratio(times, "fwd mixed", "fwd ours")[0],
+                "mixed / plain fwd+bwd": ratio(times, "fwd+bwd mixed", "fwd+bwd ours")[0],
+                "residual grad fused / unfused": ratio(times, "res grad fused", "res grad unfused")[0],
             }
             rows.append(row)
             spread = lambda r: f"{r[0]:5.2f}x [{r[1]:4.2f}-{r[2]:4.2f}]"  # noqa: E731
@@ -375,6 +404,15 @@ def main():
             f"{'x'.join(map(str, row['shape'])):>12} {row['dtype']:>9} | fused {row['res fused']:8.3f} ms | "
             f"add+ours {row['res unfused']:8.3f} ms ({row['residual fused / unfused']:4.2f}x) | "
             f"add+jnp {row['res jnp']:8.3f} ms ({row['residual fused / jnp']:4.2f}x)"
+        )
+    print("\nvariants against the plain op (ratios: median of per-round ratios; 1.00 = no cost): scale_offset=1,")
+    print("a weight of the other dtype, and the fused residual's gradient (dx rounded once) against add then norm")
+    for row in rows:
+        print(
+            f"{'x'.join(map(str, row['shape'])):>12} {row['dtype']:>9} | offset fwd {row['offset / plain fwd']:4.2f}x "
+            f"f+b {row['offset / plain fwd+bwd']:4.2f}x | mixed weight fwd {row['mixed / plain fwd']:4.2f}x "
+            f"f+b {row['mixed / plain fwd+bwd']:4.2f}x | residual grad fused/unfused "
+            f"{row['residual grad fused / unfused']:4.2f}x ({row['res grad fused']:8.3f} ms)"
         )
     errors = [] if args.no_accuracy else accuracy.report({"ours": rms_norm, "jnp": rms_norm_reference}, args.quick)
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []

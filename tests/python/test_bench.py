@@ -9,7 +9,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The variants each round times once.
 VARIANTS = ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
-            "res fused", "res unfused", "res jnp")
+            "res fused", "res unfused", "res jnp", "fwd offset", "fwd+bwd offset", "fwd mixed",
+            "fwd+bwd mixed", "res grad fused", "res grad unfused")
 
 
 def test_bench_quick_run(tmp_path):
