@@ -7,17 +7,24 @@ partitions the program over several devices (an automatic mesh, or an explicit o
 the primitives carry), its partitioning callback runs the call per shard:
 
 - rows (every axis but the last) keep whatever sharding they have: no gather of x, y, dy or dx;
-- the normalized (last) axis is gathered if it was sharded (a row must be whole on a device),
-  and so is the weight's;
+- the normalized (last) axis, when sharded over mesh axes H that divide it evenly, stays split
+  (tensor-parallel activations): each device runs `_hidden`'s jnp math on its slice of every
+  row, with one all-reduce over H of a float or two per row (the sums of squares forward; the
+  dot products backward, with the sums of squares beside them when rstd is taken from x), never
+  the activations. The weight is resharded to follow x's last axis (a replicated weight is
+  sliced, not moved) and its gradient comes back split the same way. A last axis that does not
+  divide evenly over H is gathered instead, and so is then the weight;
+- otherwise each device holds whole rows and runs the Rust call on them, the weight whole;
 - the weight gradient is summed over the mesh axes that shard the rows (not over axes that
   only replicate them, and not over the axes of a batched weight's own batch dimensions); when
-  the weight itself is sharded along those axes (FSDP), the sum is a reduce-scatter;
+  the weight itself is sharded along those axes (FSDP) and the rows are whole, the sum is a
+  reduce-scatter (with a split last axis, an all-reduce of each device's slice);
 - rows that do not divide evenly over their devices are padded by XLA; the backward masks the
   padding so that it never reaches the weight gradient.
 
-The Shardy rule names one factor per row dimension and ``n`` for the last axis, which must be
-replicated; GSPMD gets the same shardings from `infer_sharding_from_operands`.
-"""
+The Shardy rule names one factor per row dimension, ``n`` for x's last axis and ``m`` for the
+weight's, none of them required to be replicated (the callback decides what to gather); GSPMD
+gets the same shardings from `infer_sharding_from_operands`."""
 
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rmsnorm_ffi import _hidden
 from rmsnorm_ffi._math import acc_dtype
 
 FORWARD_TARGET = "rmsnorm_fwd"
@@ -136,6 +144,23 @@ def _named(mesh, *entries) -> NamedSharding:
     return NamedSharding(mesh, P(*entries))
 
 
+def _hidden_axes(mesh, x_shape) -> tuple:
+    """The mesh axes that shard x's last (normalized) axis, when the rows are split over them
+    (`_hidden`'s per-shard math); () when each device holds whole rows. A last axis that does
+    not divide evenly over its devices gives () too: it is gathered (XLA would pad it, and
+    padding inside a row would have to be masked out of every sum; not done)."""
+    axes = _axes(_spec(x_shape.sharding.spec, len(x_shape.shape))[-1])
+    shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if shards == 1 or x_shape.shape[-1] % shards:
+        return ()
+    return axes
+
+
+def _entry(axes: tuple):
+    """A spec entry for `axes`: None, one axis name, or a tuple of them."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def _weight_batch(weight_shape) -> int:
     """How many batch dimensions a (vmapped) weight carries before its last axis."""
     return len(weight_shape.shape) - 1
@@ -155,13 +180,15 @@ def _scattered_axes(weight_shape, summed: tuple) -> tuple:
 
 
 def _forward_shardings(mesh, arg_shapes, residual: bool = False):
-    """Operands x, [residual], [weight]; results y, [h], rstd."""
+    """Operands x, [residual], [weight]; results y, [h], rstd. The last axis of x-like values
+    and of the weight is sharded over the hidden axes (see `_hidden_axes`) or whole."""
     rows = _row_spec(arg_shapes[0])
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
     x_like = 1 + residual
-    args = [_named(mesh, *rows, None)] * x_like
+    args = [_named(mesh, *rows, hidden)] * x_like
     if len(arg_shapes) > x_like:
-        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[x_like])], None))
-    return tuple(args), (_named(mesh, *rows, None),) * x_like + (_named(mesh, *rows),)
+        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[x_like])], hidden))
+    return tuple(args), (_named(mesh, *rows, hidden),) * x_like + (_named(mesh, *rows),)
 
 
 def _backward_has(arg_shapes, has_dh: bool) -> bool:
@@ -172,14 +199,19 @@ def _backward_has(arg_shapes, has_dh: bool) -> bool:
 def _backward_shardings(mesh, arg_shapes, has_dh: bool = False):
     has_weight = _backward_has(arg_shapes, has_dh)
     rows = _row_spec(arg_shapes[0])
-    x_sharding, rows_sharding = _named(mesh, *rows, None), _named(mesh, *rows)
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
+    x_sharding, rows_sharding = _named(mesh, *rows, hidden), _named(mesh, *rows)
     results = [x_sharding]
     if has_weight:
         k = _weight_batch(arg_shapes[1])
-        w_sharding = _named(mesh, *rows[:k], None)
+        w_sharding = _named(mesh, *rows[:k], hidden)
         args = [x_sharding, w_sharding, rows_sharding, x_sharding]
-        scattered = _scattered_axes(arg_shapes[1], _summed_axes(mesh, rows, k))
-        results.append(_named(mesh, *rows[:k], scattered or None))
+        if hidden is not None:
+            # dweight stays split like x's last axis (summed, not scattered, over the rows).
+            results.append(w_sharding)
+        else:
+            scattered = _scattered_axes(arg_shapes[1], _summed_axes(mesh, rows, k))
+            results.append(_named(mesh, *rows[:k], scattered or None))
     else:
         args = [x_sharding, rows_sharding, x_sharding]
     args += [x_sharding] * has_dh
@@ -187,9 +219,13 @@ def _backward_shardings(mesh, arg_shapes, has_dh: bool = False):
 
 
 def _shardy_rule(value_types, n_weight_batch: int | None, kind: str, has_dh: bool = False):
-    """One factor per row dimension (r0, r1, ...), ``n`` (replicated) for x's last axis and a
-    factor of its own, ``m``, for the weight's: a sharded weight (FSDP, or along a model axis)
-    then does not propagate its sharding into x, y or dy through this op."""
+    """One factor per row dimension (r0, r1, ...), ``n`` for x's last axis and a factor of its
+    own, ``m``, for the weight's (and dweight's): a sharded weight (FSDP, or along a model axis)
+    then does not propagate its sharding into x, y or dy through this op. Neither must be
+    replicated: a sharded ``n`` runs the hidden-axis path (the partition callback gathers it
+    only when it does not divide evenly), and the callback reshards the weight to what it
+    needs (its last axis split like x's, or whole), so a weight already split like x's last
+    axis arrives without moving."""
     rank = len(value_types[0].shape)
     rows = tuple(f"r{i}" for i in range(rank - 1))
     x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
@@ -201,9 +237,7 @@ def _shardy_rule(value_types, n_weight_batch: int | None, kind: str, has_dh: boo
         x_like = (x, x) if kind == "residual" else (x,)
         operands = x_like if w is None else (*x_like, w)
         results = (*x_like, r)
-    if w is None:
-        return SdyShardingRule(operands, results, need_replication_factors=("n",))
-    return SdyShardingRule(operands, results, need_replication_factors=("n", "m"))
+    return SdyShardingRule(operands, results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +279,13 @@ def _masked(mask, x, rstd, dy, dh=None):
 # The four partitioned calls
 
 
-def _per_shard_forward(eps, residual: bool, offset: float = 0.0):
+def _per_shard_forward(eps, residual: bool, offset: float = 0.0, hidden: tuple = (), n: int = 0):
+    """The forward one device runs on its shard: the Rust call on whole rows, or with `hidden`
+    (the mesh axes that split the rows, `n` their global length) `_hidden.forward`."""
+    if hidden:
+        if residual:
+            return lambda x, res, *w: _hidden.forward(x, w[0] if w else None, eps, offset, hidden, n, residual=res)
+        return lambda x, *w: _hidden.forward(x, w[0] if w else None, eps, offset, hidden, n)
     if residual:
         return lambda x, res, *w: _forward_call(
             x, w[0] if w else None, eps, typed=False, residual=res, offset=offset
@@ -255,15 +295,20 @@ def _per_shard_forward(eps, residual: bool, offset: float = 0.0):
 
 def _forward_partition(eps, residual, offset, mesh, arg_shapes, result_shape):
     args, results = _forward_shardings(mesh, arg_shapes, residual)
-    return mesh, _per_shard_forward(eps, residual, offset), results, args
+    x = arg_shapes[0]
+    per_shard = _per_shard_forward(eps, residual, offset, _hidden_axes(mesh, x), x.shape[-1])
+    return mesh, per_shard, results, args
 
 
 def _per_shard_backward(mesh, arg_shapes, eps, offset: float = 0.0, has_dh: bool = False):
     """The backward one device runs on its shard: the call on its rows (padding masked), then
-    the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows."""
+    the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows.
+    When the rows themselves are split (`_hidden_axes`), `_hidden.backward` instead, its
+    weight gradient summed over the row axes and left split like x's last axis."""
     has_weight = _backward_has(arg_shapes, has_dh)
     rows = _row_spec(arg_shapes[0])
     x_global = arg_shapes[0].shape
+    hidden = _hidden_axes(mesh, arg_shapes[0])
     if has_weight:
         summed = _summed_axes(mesh, rows, _weight_batch(arg_shapes[1]))
         scattered = _scattered_axes(arg_shapes[1], summed)
@@ -277,6 +322,11 @@ def _per_shard_backward(mesh, arg_shapes, eps, offset: float = 0.0, has_dh: bool
         mask = _row_mask(mesh, x_global, rows, x)
         x, rstd, dy, dh = _masked(mask, x, rstd, dy, dh)
         # Padding rows have a masked rstd, which x (zero there) and eps=0 would not give.
+        if hidden:
+            dx, dw = _hidden.backward(
+                x, weight, rstd, dy, eps if mask is None else None, offset, hidden, x_global[-1], summed, dh
+            )
+            return (dx,) if dw is None else (dx, dw)
         dx, dw = _backward_call(
             x, weight, rstd, dy, eps if mask is None else None, typed=False, offset=offset, dh=dh
         )
@@ -319,7 +369,9 @@ def _shard_mapped(per_shard, operands, shardings):
     args, results = shardings
     mesh = jax.typeof(operands[0]).sharding.mesh
     # An explicit mesh wants the operands resharded first (a gathered last axis or weight).
-    operands = [jax.sharding.reshard(o, s.spec) if jax.typeof(o).sharding.spec != s.spec else o for o, s in zip(operands, args)]
+    # (NamedShardings rather than specs: lowering may run outside the mesh context, as
+    # `jax.jit(f).lower(...)` after `with jax.set_mesh(...)` has ended.)
+    operands = [jax.sharding.reshard(o, s) if jax.typeof(o).sharding.spec != s.spec else o for o, s in zip(operands, args)]
     return jax.shard_map(
         per_shard,
         mesh=mesh,
@@ -331,8 +383,9 @@ def _shard_mapped(per_shard, operands, shardings):
 
 def explicit_forward(operands, eps, out_avals, residual: bool = False, offset: float = 0.0):
     shapes = [jax.typeof(o) for o in operands]
-    shardings = _forward_shardings(shapes[0].sharding.mesh, shapes, residual)
-    per_shard = _per_shard_forward(eps, residual, offset)
+    mesh = shapes[0].sharding.mesh
+    shardings = _forward_shardings(mesh, shapes, residual)
+    per_shard = _per_shard_forward(eps, residual, offset, _hidden_axes(mesh, shapes[0]), shapes[0].shape[-1])
     return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
 
 
@@ -349,7 +402,7 @@ def _typed_like(values, avals):
     out = []
     for v, aval in zip(values, avals):
         if jax.typeof(v).sharding.spec != aval.sharding.spec:
-            v = jax.sharding.reshard(v, aval.sharding.spec)
+            v = jax.sharding.reshard(v, aval.sharding)
         out.append(v)
     return tuple(out)
 

@@ -1,0 +1,109 @@
+"""The RMS norm of rows split over devices: x's last (normalized) axis sharded over mesh axes.
+
+`_partitioning` runs these per shard when x's last axis is sharded over mesh axes ``H``
+(tensor-parallel activations) and divides evenly over them. No device then holds a whole row,
+and the Rust kernels take whole rows: running them would mean gathering the activations
+(rows x n elements to every device of ``H``). Instead each device reduces its own slice to one
+number per row, the devices of ``H`` add those numbers up (one all-reduce of rows floats, never
+the activations), and everything else is elementwise on the device's own slice of x and of the
+weight. That per-shard work is plain jnp on purpose: it is one or two elementwise loops around
+a row sum, which XLA fuses with its neighbours, and an FFI call would cost the same passes
+while blocking that fusion (and the sum must stop half-way for the all-reduce anyway).
+
+The arithmetic follows the kernels' (src/handlers/math.rs), operation for operation where jnp
+allows: sums in the accumulation dtype (float32, float64 for float64 x), ``eps`` as the
+float32 the kernels get, the weight applied as ``offset + w`` in the accumulation dtype
+(`_math._rows`), ``y = x * r * w``, ``c = r * sum(g * x) / n``, ``dx = r * (g - x * r * c)``
+(plus ``dh`` before the one rounding), ``dweight = sum over rows of dy * (x * r)``. The
+kernels total their row sums in float64 with compensation; here the local sums and the
+all-reduce are in the accumulation dtype, which differs from them in the last bits only.
+
+Shapes: x ``(*rows, n_local)``, a weight ``(*wb, n_local)`` (``wb`` the weight's batch
+dimensions, a prefix of the rows) or None, rstd ``rows``. ``axes`` are the mesh axes of ``H``
+and ``n`` the global row length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rmsnorm_ffi._math import _rows, acc_dtype
+
+
+def _widen(v, acc):
+    """`v` in the accumulation dtype, holding exactly the values of `v`'s own dtype. The
+    kernels read their operands as stored; XLA, allowed excess precision (its default), may
+    fuse a narrow operand's producer into this code and drop the rounding to the narrow dtype
+    (h of the fused residual, seen 1 bfloat16 ulp off in y and dx), so the rounding is made
+    explicit: `reduce_precision`, which XLA keeps, and a no-op on values already rounded."""
+    if v is None:
+        return None
+    wide = v.astype(acc)
+    info = jnp.finfo(v.dtype)
+    if info.bits >= jnp.finfo(acc).bits:
+        return wide
+    return jax.lax.reduce_precision(wide, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _rstd(sum_sq, n: int, eps, acc):
+    """``1 / sqrt(sum_sq / n + eps)``, eps rounded to float32 first as the kernels take it."""
+    return jax.lax.rsqrt(sum_sq / jnp.asarray(n, acc) + jnp.asarray(np.float32(eps), acc))
+
+
+def forward(x, weight, eps, offset: float, axes: tuple, n: int, residual=None):
+    """``(y, rstd)``, or with a residual ``(y, h, rstd)`` of ``h = x + residual`` (rounded to
+    x's dtype as the fused kernel and jnp round it): one psum over ``axes`` of each row's sum
+    of squares. y is this device's slice; rstd is the whole row's, the same on every device
+    of ``axes``."""
+    acc = acc_dtype(x.dtype)
+    h = x if residual is None else x + residual
+    hf = _widen(h, acc)
+    rstd = _rstd(jax.lax.psum(jnp.sum(hf * hf, axis=-1), axes), n, eps, acc)
+    y = hf * rstd[..., None]
+    w = _rows(_widen(weight, acc), x.ndim, acc, offset)
+    if w is not None:
+        y = y * w
+    y = y.astype(x.dtype)
+    return (y, rstd) if residual is None else (y, h, rstd)
+
+
+def backward(x, weight, rstd, dy, eps, offset: float, axes: tuple, n: int, row_axes: tuple, dh=None):
+    """``(dx, dweight)`` of this device's slice (``dweight`` None without weight).
+
+    With ``eps`` (the VJP's promise that rstd is the forward's of x with that eps), rstd is
+    taken from x itself, as the CPU kernel takes it: each row's sum of squares travels in the
+    same all-reduce as its dot product (rows x 2 floats), so a program that only wants
+    gradients needs no forward and still has one all-reduce. With ``eps`` None, the given
+    rstd is read and the all-reduce carries the dot products alone.
+
+    ``dweight`` is summed over the rows this device holds, then over ``row_axes`` (the mesh
+    axes that shard the rows beyond the weight's batch dimensions) in the accumulation dtype,
+    and rounded once to the weight's dtype: it stays this device's slice of the weight's last
+    axis (sharded over ``axes`` like x's).
+    """
+    acc = acc_dtype(x.dtype)
+    xf, dyf = _widen(x, acc), _widen(dy, acc)
+    w = _rows(_widen(weight, acc), x.ndim, acc, offset)
+    g = dyf if w is None else dyf * w
+    dot = jnp.sum(g * xf, axis=-1)
+    if eps is None:
+        r = rstd.astype(acc)
+        dot = jax.lax.psum(dot, axes)
+    else:
+        sums = jax.lax.psum(jnp.stack([dot, jnp.sum(xf * xf, axis=-1)], axis=-1), axes)
+        dot, sum_sq = sums[..., 0], sums[..., 1]
+        r = _rstd(sum_sq, n, eps, acc)
+    r = r[..., None]
+    c = dot[..., None] / jnp.asarray(n, acc) * r
+    xhat = xf * r
+    dx = r * (g - xhat * c)
+    if dh is not None:
+        dx = dx + _widen(dh, acc)
+    if weight is None:
+        return dx.astype(x.dtype), None
+    dw = jnp.sum(dyf * xhat, axis=tuple(range(weight.ndim - 1, x.ndim - 1)))
+    if row_axes:
+        dw = jax.lax.psum(dw, row_axes)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
