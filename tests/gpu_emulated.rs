@@ -15,7 +15,7 @@ use std::sync::{Mutex, MutexGuard, Once};
 
 use half::{bf16, f16};
 use rmsnorm_ffi::handlers::gpu::{self, kernels, resources};
-use rmsnorm_ffi::handlers::{cpu, operands::acc_dtype};
+use rmsnorm_ffi::handlers::{contract, cpu, operands::acc_dtype};
 use rmsnorm_ffi_cuda_emulator::{self as emu, Fake};
 use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
 use xla_ffi_bundles::ffi::{BundleDef, DataType, Stage};
@@ -127,7 +127,8 @@ fn size_of(dt: DataType) -> usize {
     kernels::size_of(dt)
 }
 
-/// float64 reference: y, rstd, dx, dw (per group).
+/// float64 reference: y, rstd, dx, dw (per group), for the weight applied as `offset + w` and dx
+/// with `dh` added.
 struct Reference {
     y: Vec<f64>,
     rstd: Vec<f64>,
@@ -135,7 +136,15 @@ struct Reference {
     dw: Vec<f64>,
 }
 
-fn reference(x: &[f64], w: Option<&[f64]>, dy: &[f64], groups: usize, n: usize) -> Reference {
+fn reference(
+    x: &[f64],
+    w: Option<&[f64]>,
+    dy: &[f64],
+    groups: usize,
+    n: usize,
+    offset: f64,
+    dh: Option<&[f64]>,
+) -> Reference {
     let rows = x.len().checked_div(n).unwrap_or(0);
     let per_group = rows.checked_div(groups.max(1)).unwrap_or(0);
     let eps = 1e-5f32 as f64; // eps travels as a float32 attribute
@@ -148,13 +157,14 @@ fn reference(x: &[f64], w: Option<&[f64]>, dy: &[f64], groups: usize, n: usize) 
     for row in 0..rows {
         let g = row.checked_div(per_group).unwrap_or(0);
         let xs = &x[row * n..(row + 1) * n];
-        let wj = |j: usize| w.map_or(1.0, |w| w[g * n + j]);
+        let wj = |j: usize| w.map_or(1.0, |w| offset + w[g * n + j]);
         let rs = 1.0 / (xs.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps).sqrt();
         r.rstd[row] = rs;
         let dot: f64 = (0..n).map(|j| dy[row * n + j] * wj(j) * xs[j]).sum();
         for j in 0..n {
             r.y[row * n + j] = xs[j] * rs * wj(j);
-            r.dx[row * n + j] = rs * dy[row * n + j] * wj(j) - xs[j] * rs.powi(3) * dot / n as f64;
+            r.dx[row * n + j] = rs * dy[row * n + j] * wj(j) - xs[j] * rs.powi(3) * dot / n as f64
+                + dh.map_or(0.0, |dh| dh[row * n + j]);
             r.dw[g * n + j] += dy[row * n + j] * xs[j] * rs;
         }
     }
@@ -197,6 +207,7 @@ enum Weight {
     None,
     Same,
     F32,
+    Of(DataType),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -213,6 +224,10 @@ struct Case {
     device: i32,
     /// Whether XLA runs the initialize stage (else the first execute loads).
     initialize: bool,
+    /// The `scale_offset` attribute of every call (the weight applied is `offset + w`).
+    offset: Option<f32>,
+    /// The backward has a `dh` operand (`has_dh`), added to dx before its one rounding.
+    dh: bool,
 }
 
 impl Case {
@@ -226,6 +241,8 @@ impl Case {
             misalign: 0,
             device: 0,
             initialize: true,
+            offset: None,
+            dh: false,
         }
     }
     fn wd(&self) -> Option<DataType> {
@@ -233,6 +250,7 @@ impl Case {
             Weight::None => None,
             Weight::Same => Some(self.x),
             Weight::F32 => Some(DataType::F32),
+            Weight::Of(d) => Some(d),
         }
     }
     fn x_dims(&self) -> Vec<i64> {
@@ -286,18 +304,29 @@ fn gpu_context(fake: &Fake, case: &Case) -> FakeContext {
 }
 
 fn fwd_attrs(case: &Case) -> Vec<(&'static str, OwnedAttr)> {
-    vec![
+    let mut attrs = vec![
         ("eps", OwnedAttr::scalar(1e-5f32)),
         ("has_weight", OwnedAttr::pred(case.wd().is_some())),
         ("row_len", OwnedAttr::scalar(case.n as i64)),
-    ]
+    ];
+    if let Some(offset) = case.offset {
+        attrs.push(("scale_offset", OwnedAttr::scalar(offset)));
+    }
+    attrs
 }
 
 fn bwd_attrs(case: &Case) -> Vec<(&'static str, OwnedAttr)> {
-    vec![
+    let mut attrs = vec![
         ("has_weight", OwnedAttr::pred(case.wd().is_some())),
         ("row_len", OwnedAttr::scalar(case.n as i64)),
-    ]
+    ];
+    if let Some(offset) = case.offset {
+        attrs.push(("scale_offset", OwnedAttr::scalar(offset)));
+    }
+    if case.dh {
+        attrs.push(("has_dh", OwnedAttr::pred(true)));
+    }
+    attrs
 }
 
 /// One case's inputs: bytes in their dtypes, and the float64 values those bytes hold.
@@ -305,6 +334,8 @@ struct Inputs {
     x: (Vec<u8>, Vec<f64>),
     w: Option<(Vec<u8>, Vec<f64>)>,
     dy: (Vec<u8>, Vec<f64>),
+    /// The backward's `dh` (cases with `dh`).
+    dh: Option<(Vec<u8>, Vec<f64>)>,
 }
 
 /// What the GPU bundles returned: y, rstd and dx as float64, dweight's bytes per backward run.
@@ -359,6 +390,10 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
 
     // ---- backward
     let dyb = device(fake, case, inp.dy.0.len(), Some(&inp.dy.0));
+    let dhb = inp
+        .dh
+        .as_ref()
+        .map(|(b, _)| device(fake, case, b.len(), Some(b)));
     let dxb = device(fake, case, count * size_of(xd), None);
     let dw_bytes = inp.w.as_ref().map_or(0, |(b, _)| b.len());
     let dwb: Vec<emu::DeviceBuffer> = (0..runs)
@@ -376,8 +411,11 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
             }
             f = f
                 .device_arg(ad, rdims, rb.addr())
-                .device_arg(xd, &xdims, dyb.addr())
-                .device_ret(xd, &xdims, dxb.addr());
+                .device_arg(xd, &xdims, dyb.addr());
+            if let Some(dhb) = &dhb {
+                f = f.device_arg(xd, &xdims, dhb.addr());
+            }
+            f = f.device_ret(xd, &xdims, dxb.addr());
             if let Some(wd) = case.wd() {
                 f = f.device_ret(wd, &wdims, dwb[run].addr());
             }
@@ -417,7 +455,7 @@ fn run_gpu(fake: &'static Fake, case: &Case, inp: &Inputs, runs: usize) -> Resul
         dx: decode(xd, &dxb.read()),
         dw: dwb.iter().map(|b| b.read()).collect(),
     };
-    drop((xb, wb, yb, rb, dyb, dxb, dwb));
+    drop((xb, wb, yb, rb, dyb, dhb, dxb, dwb));
     clean_teardown(fake, &before, "the states' deleters")?;
     Ok(out)
 }
@@ -441,7 +479,9 @@ fn clean_teardown(fake: &Fake, before: &emu::Counters, whose: &str) -> Result<()
 /// dweight bitwise equal run to run; every allocation of the state freed by its deleter. The
 /// plain ops run at h = x + residual (rounded to x's dtype on the host), and the fused residual
 /// forward at (x, residual) must give that h bit for bit (as the CPU bundle does) and the plain
-/// forward's y and rstd at h bit for bit.
+/// forward's y and rstd at h bit for bit. With a scale offset the weights are zero-centred (as
+/// Gemma's: the offset carries the scale); with `dh`, dx must also be within one unit of the
+/// correctly rounded float64 value ([`check_dx_with_dh`]).
 fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
     let tag = format!("{case:?}");
     let in_context = |e: String| format!("{tag}: {e}");
@@ -456,12 +496,14 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         x: encode(xd, &h),
         dy: encode(xd, &values(count, 2 + rows as u64)),
         w: case.wd().map(|wd| {
+            let centre = if case.offset.is_some() { 0.0 } else { 1.0 };
             let v: Vec<f64> = values(groups * n, 3)
                 .iter()
-                .map(|v| 1.0 + v / 4.0)
+                .map(|v| centre + v / 4.0)
                 .collect();
             encode(wd, &v)
         }),
+        dh: case.dh.then(|| encode(xd, &values(count, 6 + rows as u64))),
     };
     let r = reference(
         &inp.x.1,
@@ -469,6 +511,8 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         &inp.dy.1,
         groups,
         n,
+        case.offset.map_or(0.0, f64::from),
+        inp.dh.as_ref().map(|d| d.1.as_slice()),
     );
     let tol = tolerance(xd, n);
     let out = run_gpu(fake, case, &inp, 2).map_err(in_context)?;
@@ -477,6 +521,7 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         &inp.x.0,
         inp.w.as_ref().map(|w| w.0.as_slice()),
         &inp.dy.0,
+        inp.dh.as_ref().map(|d| d.0.as_slice()),
     )
     .map_err(in_context)?;
     if rows > 0 {
@@ -485,6 +530,9 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         compare("y vs the CPU bundle", &out.y, &cpu.0, 2.0 * tol).map_err(in_context)?;
         compare("dx vs float64", &out.dx, &r.dx, 4.0 * tol).map_err(in_context)?;
         compare("dx vs the CPU bundle", &out.dx, &cpu.1, 8.0 * tol).map_err(in_context)?;
+        if case.dh {
+            check_dx_with_dh(xd, &out.dx, &r.dx).map_err(in_context)?;
+        }
     }
     if let Some(wd) = case.wd() {
         if out.dw[0] != out.dw[1] {
@@ -647,7 +695,13 @@ fn host_bytes(b: &OwnedBuffer) -> Vec<u8> {
 type Results = (Vec<f64>, Vec<f64>, Vec<f64>);
 
 /// The CPU bundles' y, dx, dw on host copies of the same inputs (rstd from the CPU forward).
-fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Results, String> {
+fn cpu_results(
+    case: &Case,
+    x: &[u8],
+    w: Option<&[u8]>,
+    dy: &[u8],
+    dh: Option<&[u8]>,
+) -> Result<Results, String> {
     let xd = case.x;
     let ad = acc_dtype(xd);
     let (xdims, wdims) = (case.x_dims(), case.w_dims());
@@ -673,10 +727,11 @@ fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Res
     if let (Some(w), Some(wd)) = (w, case.wd()) {
         b = b.arg(host(wd, &wdims, w));
     }
-    b = b
-        .arg(host(ad, rdims, &rstd))
-        .arg(host(xd, &xdims, dy))
-        .ret(OwnedBuffer::zeros(xd, &xdims));
+    b = b.arg(host(ad, rdims, &rstd)).arg(host(xd, &xdims, dy));
+    if let Some(dh) = dh {
+        b = b.arg(host(xd, &xdims, dh));
+    }
+    b = b.ret(OwnedBuffer::zeros(xd, &xdims));
     if let Some(wd) = case.wd() {
         b = b.ret(OwnedBuffer::zeros(wd, &wdims));
     }
@@ -694,28 +749,30 @@ fn cpu_results(case: &Case, x: &[u8], w: Option<&[u8]>, dy: &[u8]) -> Result<Res
 // The matrix
 // ---------------------------------------------------------------------------------------------
 
-const PAIRS: [(DataType, Weight); 11] = [
-    (DataType::F32, Weight::None),
-    (DataType::F32, Weight::Same),
-    (DataType::F64, Weight::None),
-    (DataType::F64, Weight::Same),
-    (DataType::F64, Weight::F32),
-    (DataType::BF16, Weight::None),
-    (DataType::BF16, Weight::Same),
-    (DataType::BF16, Weight::F32),
-    (DataType::F16, Weight::None),
-    (DataType::F16, Weight::Same),
-    (DataType::F16, Weight::F32),
-];
+/// Every x dtype of the op contract without a weight and with each weight dtype the contract
+/// pairs it with (all 16 pairs: `DtypePair::ALL`).
+fn pairs() -> Vec<(DataType, Weight)> {
+    let mut out = Vec::new();
+    for x in contract::x_dtypes() {
+        out.push((x, Weight::None));
+        out.extend(
+            contract::weight_dtypes(x)
+                .into_iter()
+                .map(|w| (x, Weight::Of(w))),
+        );
+    }
+    out
+}
 
 /// Every (x, weight) pair over: n = 1, odd n (scalar path), zero rows, several rows per block,
 /// several rows per team (each block accumulating many rows), one block per row, a batched
 /// weight; then blocks folding their weight-gradient sums many times, the streaming path (rows
 /// up to 2^20), misaligned
-/// buffers (scalar path on even n), a stream on the second device, and XLA skipping initialize.
+/// buffers (scalar path on even n), a stream on the second device, and XLA skipping initialize;
+/// then scale offsets (Gemma's 1 and -0.5) and the fused residual's dh over every path.
 fn matrix() -> Vec<Case> {
     let mut cases = Vec::new();
-    for (x, w) in PAIRS {
+    for (x, w) in pairs() {
         for (rows, n) in [(3, 1), (5, 67), (0, 128), (37, 256), (150, 128), (3, 4096)] {
             cases.push(Case::new(x, w, rows, n));
         }
@@ -762,12 +819,58 @@ fn matrix() -> Vec<Case> {
     // Narrow (float32) partial rows of cached bfloat16 rows, transposed among lanes before they
     // are stored: 40 rows on 4 fake SMs take 5 blocks of 8 rows (plan.rs), not 4 of 10.
     cases.push(Case::new(DataType::BF16, Weight::F32, 40, 8192));
+    cases.extend(offset_and_dh_cases());
     cases
 }
 
-/// The subset the planted bugs are checked against: every kernel family and path once.
+/// The scale offset (1 and -0.5, bfloat16 weights among others) and the fused residual's dh over
+/// the kernels' paths: scalar (odd n, misaligned), cached with several rows per block and per
+/// team, one block per row, streaming, narrow partials, a batched weight, float64; dh without a
+/// weight too.
+fn offset_and_dh_cases() -> Vec<Case> {
+    use DataType::{BF16, F16, F32, F64};
+    let with = |offset: Option<f32>, dh: bool, case: Case| Case { offset, dh, ..case };
+    vec![
+        with(Some(1.0), false, Case::new(F32, Weight::Of(BF16), 37, 256)),
+        with(Some(-0.5), true, Case::new(BF16, Weight::Of(BF16), 5, 67)),
+        with(Some(1.0), true, Case::new(BF16, Weight::Of(BF16), 150, 128)),
+        with(Some(1.0), true, Case::new(BF16, Weight::F32, 3, 4096)),
+        with(Some(-0.5), true, Case::new(F32, Weight::Of(BF16), 600, 256)),
+        with(Some(1.0), true, Case::new(F16, Weight::Same, 2, 40000)),
+        with(Some(-0.5), true, Case::new(F32, Weight::Same, 2, 40000)),
+        with(Some(1.0), true, Case::new(BF16, Weight::F32, 40, 8192)),
+        with(Some(1.0), true, Case::new(F64, Weight::Of(BF16), 9, 512)),
+        with(Some(-0.5), false, Case::new(F64, Weight::Same, 2, 20001)),
+        with(None, true, Case::new(F16, Weight::None, 9, 512)),
+        with(None, true, Case::new(F32, Weight::Same, 37, 256)),
+        with(
+            Some(1.0),
+            true,
+            Case {
+                groups: 3,
+                ..Case::new(BF16, Weight::Of(BF16), 5, 64)
+            },
+        ),
+        with(
+            Some(1.0),
+            true,
+            Case {
+                misalign: 2,
+                ..Case::new(BF16, Weight::Of(BF16), 9, 512)
+            },
+        ),
+    ]
+}
+
+/// The subset the planted bugs are checked against: every kernel family and path once, and a
+/// scale offset with dh (bfloat16: dh's rounding is checked to one unit).
 fn quick_matrix() -> Vec<Case> {
     vec![
+        Case {
+            offset: Some(1.0),
+            dh: true,
+            ..Case::new(DataType::BF16, Weight::Of(DataType::BF16), 37, 256)
+        },
         Case::new(DataType::F32, Weight::Same, 37, 256),
         Case::new(DataType::F32, Weight::Same, 600, 256),
         Case::new(DataType::F32, Weight::Same, 3, 4096),
@@ -884,6 +987,18 @@ fn normals(count: usize, seed: u64) -> Vec<f64> {
 
 /// y, dx and dweight in double-double from the rounded inputs (one weight row).
 fn truth(x: &[f64], w: &[f64], dy: &[f64], n: usize) -> (Vec<Dd>, Vec<Dd>, Vec<Dd>) {
+    truth_with(x, w, dy, n, 0.0, None)
+}
+
+/// [`truth`] with the weight applied as `offset + w` and `dh` added to dx.
+fn truth_with(
+    x: &[f64],
+    w: &[f64],
+    dy: &[f64],
+    n: usize,
+    offset: f64,
+    dh: Option<&[f64]>,
+) -> (Vec<Dd>, Vec<Dd>, Vec<Dd>) {
     let rows = x.len() / n;
     let eps = Dd::of(1e-5f32 as f64); // eps travels as a float32 attribute
     let inv_n = Dd::of(1.0).div(Dd::of(n as f64));
@@ -899,14 +1014,16 @@ fn truth(x: &[f64], w: &[f64], dy: &[f64], n: usize) -> (Vec<Dd>, Vec<Dd>, Vec<D
             .iter()
             .fold(Dd::default(), |s, &v| s.add(Dd::of(v).mul(Dd::of(v))));
         let r = Dd::of(1.0).div(ss.mul(inv_n).add(eps).sqrt());
+        let weight = |j: usize| Dd::of(offset).add(Dd::of(w[j]));
         let dot = (0..n).fold(Dd::default(), |s, j| {
-            s.add(Dd::of(ds[j]).mul(Dd::of(w[j])).mul(Dd::of(xs[j])))
+            s.add(Dd::of(ds[j]).mul(weight(j)).mul(Dd::of(xs[j])))
         });
         let c = r.mul(r).mul(r).mul(dot).mul(inv_n);
         for j in 0..n {
-            let (xv, wv, gv) = (Dd::of(xs[j]), Dd::of(w[j]), Dd::of(ds[j]));
+            let (xv, wv, gv) = (Dd::of(xs[j]), weight(j), Dd::of(ds[j]));
             y.push(xv.mul(r).mul(wv));
-            dx.push(r.mul(gv).mul(wv).sub(xv.mul(c)));
+            let added = Dd::of(dh.map_or(0.0, |dh| dh[row * n + j]));
+            dx.push(r.mul(gv).mul(wv).sub(xv.mul(c)).add(added));
             dw[j] = dw[j].add(gv.mul(xv).mul(r));
         }
     }
@@ -945,6 +1062,31 @@ fn ulp_error(got: &[f64], truth: &[Dd], dt: DataType, floor: f64) -> f64 {
             (g - rounded).abs() / ulp.max(floor)
         })
         .fold(0.0, f64::max)
+}
+
+/// dx of a backward with dh against its float64 value: half precision within one unit of the
+/// correctly rounded value (a unit at least 2 float32 eps of the largest, as in
+/// [`ulp_error`]: the float32 evaluation's own error where the terms cancel), float32 within 2
+/// eps of the largest. Rounding the norm's gradient to x's dtype before adding dh (rounding
+/// twice) misses the bound on some elements of any case of a few thousand.
+fn check_dx_with_dh(xd: DataType, got: &[f64], want: &[f64]) -> Result<(), String> {
+    let truth: Vec<Dd> = want.iter().map(|&v| Dd::of(v)).collect();
+    let (error, bound, unit) = match xd {
+        DataType::BF16 | DataType::F16 => (
+            ulp_error(got, &truth, xd, 2.0 * f32::EPSILON as f64),
+            1.0,
+            "ulp",
+        ),
+        DataType::F32 => (eps_error(got, &truth, f32::EPSILON as f64), 2.0, "eps"),
+        _ => return Ok(()), // float64: `compare` (a float64 reference is no better than dx)
+    };
+    // NaN counts as over the bound.
+    if error.is_nan() || error > bound {
+        return Err(format!(
+            "dx with dh: {error:.2} {unit} from the float64 value (bound {bound})"
+        ));
+    }
+    Ok(())
 }
 
 /// (x dtype, rows, n): the row lengths the kernels take, from one element to the streaming path
@@ -995,6 +1137,7 @@ fn accuracy_against_a_float64_truth_is_independent_of_rows_and_row_length() {
             ),
             dy: encode(xd, &normals(count, 6)),
             w: Some(encode(xd, &w)),
+            dh: None,
         };
         let out = run_gpu(fake, &case, &inp, 1).unwrap_or_else(|e| panic!("{case:?}: {e}"));
         let t_gpu = case_start.elapsed().as_secs_f64();
@@ -1065,6 +1208,135 @@ fn accuracy_against_a_float64_truth_is_independent_of_rows_and_row_length() {
     }
     println!("{}", table.join("\n"));
     println!("accuracy sweep: {:.1} s", start.elapsed().as_secs_f64());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// (x dtype, weight dtype, rows, n, scale offset): the fused residual add's backward (dh) over
+/// TransformerEngine's smallest odd shape (71x229: the scalar path) and cached rows up to
+/// 12288 (its widest), zero-centred weights under Gemma's offset 1 and -0.5, bfloat16 weights
+/// with float32 and bfloat16 x.
+const DH_ACCURACY: &[(DataType, DataType, usize, usize, f32)] = &[
+    (DataType::BF16, DataType::BF16, 71, 229, 1.0),
+    (DataType::BF16, DataType::F32, 16, 4096, 0.0),
+    (DataType::BF16, DataType::BF16, 4, 12288, -0.5),
+    (DataType::F16, DataType::F16, 71, 229, 1.0),
+    (DataType::F16, DataType::F32, 16, 4096, -0.5),
+    (DataType::F32, DataType::BF16, 71, 229, 1.0),
+    (DataType::F32, DataType::F32, 16, 4096, 0.0),
+];
+
+/// The backward with dh (the fused residual add's) rounds dx once: within one unit of the
+/// correctly rounded double-double value in bfloat16 and float16 (2 float32 eps of the largest
+/// in float32), with the scale offset applied inside the kernels; y and dweight as in the
+/// accuracy sweep. The table shows what rounding twice, `rn(rn(norm's dx) + dh)`, would give
+/// against the same truth, and how far the CPU bundle's dx (one rounding too, by its own
+/// formula) is from the GPU's.
+#[test]
+fn the_fused_residual_backward_rounds_dx_once() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let start = std::time::Instant::now();
+    let mut table = vec![format!(
+        "{:<5} {:<5} {:>9} {:>5} | {:>6} {:>6} {:>6} | {:>6} | {:>8} | unit",
+        "x", "w", "rows x n", "off", "y", "dx", "dw", "twice", "cpu-gpu"
+    )];
+    let mut failures = Vec::new();
+    for &(xd, wd, rows, n, offset) in DH_ACCURACY {
+        let count = rows * n;
+        let case_start = std::time::Instant::now();
+        let case = Case {
+            offset: (offset != 0.0).then_some(offset),
+            dh: true,
+            ..Case::new(xd, Weight::Of(wd), rows, n)
+        };
+        let centre = if offset != 0.0 { 0.0 } else { 1.0 };
+        let w: Vec<f64> = normals(n, 7).iter().map(|v| centre + 0.1 * v).collect();
+        let x: Vec<f64> = normals(count, 5).iter().map(|v| v + 0.5).collect();
+        let inp = Inputs {
+            x: encode(xd, &x),
+            dy: encode(xd, &normals(count, 6)),
+            w: Some(encode(wd, &w)),
+            dh: Some(encode(xd, &normals(count, 8))),
+        };
+        let out = run_gpu(fake, &case, &inp, 1).unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        let dh = &inp.dh.as_ref().unwrap().1;
+        let w = &inp.w.as_ref().unwrap().1;
+        let t_gpu = case_start.elapsed().as_secs_f64();
+        let (ty, tdx, tdw) = truth_with(&inp.x.1, w, &inp.dy.1, n, offset as f64, Some(dh));
+        let t_truth = case_start.elapsed().as_secs_f64() - t_gpu;
+        let dw = decode(wd, &out.dw[0]);
+        let cpu = cpu_results(
+            &case,
+            &inp.x.0,
+            Some(&inp.w.as_ref().unwrap().0),
+            &inp.dy.0,
+            Some(&inp.dh.as_ref().unwrap().0),
+        )
+        .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        eprintln!(
+            "TIMING dh gpu {t_gpu:.1} truth {t_truth:.1} cpu {:.1}",
+            case_start.elapsed().as_secs_f64() - t_gpu - t_truth
+        );
+        // (error, bound) in the result's unit: ulp of the correctly rounded truth for half
+        // precision (at least 2 float32 eps of the largest where the terms cancel, as in the
+        // accuracy sweep), float32 eps of the largest for float32.
+        let floor = 2.0 * f32::EPSILON as f64;
+        let judge = |got: &[f64], truth: &[Dd], dt: DataType, floor: f64| match dt {
+            DataType::F32 => (eps_error(got, truth, f32::EPSILON as f64), 2.0),
+            _ => (ulp_error(got, truth, dt, floor), 1.0),
+        };
+        let errors = [
+            judge(&out.y, &ty, xd, 0.0),
+            judge(&out.dx, &tdx, xd, floor),
+            judge(&dw, &tdw, wd, floor),
+        ];
+        // Rounded twice: the norm's dx rounded to x's dtype, plus dh, rounded again (the same
+        // as once in float32, whose sum is rounded once either way).
+        let norm: Vec<f64> = (tdx.iter().zip(dh))
+            .map(|(t, &h)| encode(xd, &[t.sub(Dd::of(h)).hi]).1[0])
+            .collect();
+        let sums: Vec<f64> = norm.iter().zip(dh).map(|(a, b)| a + b).collect();
+        let twice = judge(&encode(xd, &sums).1, &tdx, xd, floor).0;
+        let cpu_dx: Vec<Dd> = cpu.1.iter().map(|&v| Dd::of(v)).collect();
+        let apart = judge(&out.dx, &cpu_dx, xd, floor).0;
+        let unit = if xd == DataType::F32 {
+            "eps of the largest"
+        } else {
+            "ulp of the rounded truth"
+        };
+        table.push(format!(
+            "{:<5} {:<5} {:>9} {:>5} | {:>6.2} {:>6.2} {:>6.2} | {:>6.2} | {:>8.2} | {unit}",
+            xd.name(),
+            wd.name(),
+            format!("{rows}x{n}"),
+            offset,
+            errors[0].0,
+            errors[1].0,
+            errors[2].0,
+            twice,
+            apart
+        ));
+        // NaN counts as over the bound.
+        if errors.iter().any(|&(e, bound)| e.is_nan() || e > bound) {
+            failures.push(format!(
+                "{} w {} {rows}x{n} offset {offset}: (error, bound) of y, dx, dw {errors:?}",
+                xd.name(),
+                wd.name()
+            ));
+        }
+        // The inputs tell one rounding from two: rounding twice misses the bound somewhere.
+        let tells_apart = twice > errors[1].1; // false for NaN
+        if xd == DataType::BF16 && !tells_apart {
+            failures.push(format!(
+                "{} {rows}x{n}: rounding twice stays within one ulp ({twice:.2}): the check \
+                 cannot tell",
+                xd.name()
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
+    println!("dh sweep: {:.1} s", start.elapsed().as_secs_f64());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -1324,6 +1596,7 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
             .i32("n", 1)
             .i32("team", 32)
             .f32("eps", 1e-5)
+            .f32("offset", -0.0)
             .i64("rows_per_group", 1)
             .enqueue(stream)
     };
@@ -1347,10 +1620,12 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
         .ptr("w", 0)
         .ptr("rstd", 0)
         .ptr("dy", 0)
+        .ptr("dh", 0)
         .ptr("dx", 0)
         .ptr("partial", 0)
         .i32("n", 1)
         .i32("team", 32)
+        .f32("offset", -0.0)
         .i64("chunk", 1)
         .i64("rows_per_group", 1)
         .i64("blocks_per_group", 1)
@@ -1397,6 +1672,7 @@ fn an_out_of_bounds_write_fails_the_launch() {
         .i32("n", 64)
         .i32("team", 32)
         .f32("eps", 1e-5)
+        .f32("offset", -0.0)
         .i64("rows_per_group", 2)
         .enqueue(stream)
         .unwrap_err()

@@ -12,10 +12,29 @@ use std::process::Command;
 use rmsnorm_ffi::handlers::gpu::driver::{Nvrtc, Search, LINEINFO_ENV};
 use rmsnorm_ffi::handlers::gpu::kernels::{KERNELS, NAMES, SOURCE};
 
-/// Spill bytes (stores) tolerated per kernel: the float32 backward keeps 32 cached values of
-/// x, 32 of dy and 32 accumulators per thread under a 128-register cap, and spills a little
-/// on sm_90. Anything beyond fails the test.
+/// Spill bytes (stores, and loads) tolerated per kernel: the float32 backward keeps 32 cached
+/// values of x, 32 of dy and 32 accumulators per thread under a 128-register cap, and spills a
+/// little (32/52 bytes of stores/loads on sm_80, 32/56 on sm_90, NVRTC and ptxas 12.x from pip).
+/// Anything beyond fails the test.
 const SPILL_BUDGET: u64 = 128;
+
+/// The same for the vector backward of a float64 weight next to float32 or half-precision x
+/// (`rmsnorm_bwd_{f32,bf16,f16}_wf64_v`): its weight packs are two to four times x's bytes (a
+/// 32-byte pack per 16 bytes of float32 x), read in the dot product and again for dx, under the
+/// same cap. Measured: f32 40/132 bytes on sm_80, 32/96 on sm_90; f16 48/80 on both.
+const WIDE_WEIGHT_SPILL_BUDGET: u64 = 192;
+
+/// The budget for kernel `name`.
+fn spill_budget(name: &str) -> u64 {
+    let wide_weight = ["f32", "bf16", "f16"]
+        .iter()
+        .any(|x| name == format!("rmsnorm_bwd_{x}_wf64_v"));
+    if wide_weight {
+        WIDE_WEIGHT_SPILL_BUDGET
+    } else {
+        SPILL_BUDGET
+    }
+}
 
 #[derive(Debug, Default)]
 struct Usage {
@@ -121,7 +140,8 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
                 "sm_{cc}: {name:<36} {:>4} {:>6}/{:<6}",
                 u.registers, u.spill_stores, u.spill_loads
             );
-            if u.spill_stores > SPILL_BUDGET || u.spill_loads > SPILL_BUDGET {
+            let budget = spill_budget(name);
+            if u.spill_stores > budget || u.spill_loads > budget {
                 failures.push(format!(
                     "sm_{cc} {name}: {} bytes spill stores, {} loads",
                     u.spill_stores, u.spill_loads

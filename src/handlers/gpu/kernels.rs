@@ -15,9 +15,10 @@ use xla_ffi_bundles::ffi::DataType;
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("rmsnorm.cu");
 
-/// (x, weight) dtype pairs, in table order: the op contract's pairs, one forward and one
-/// backward kernel each (rmsnorm.cu stamps them); a missing weight uses the pair whose weight
-/// is x's dtype (with a null pointer).
+/// (x, weight) dtype pairs, in table order: the op contract's pairs, one forward, one backward
+/// and one residual-forward kernel each, vectorized and scalar (rmsnorm.cu stamps them all:
+/// `STAMP_WEIGHTS`); a missing weight uses the pair whose weight is x's dtype (with a null
+/// pointer).
 pub const COMBOS: [DtypePair; 16] = DtypePair::ALL;
 
 /// (accumulator, weight) dtype pairs of the finalize kernels: one per distinct pair of the
@@ -47,6 +48,14 @@ fn code(d: DataType) -> &'static str {
 
 use Param::{Ptr, F32, I32, I64};
 
+/// The `offset` parameter of the forward, residual and backward kernels for a call site's scale
+/// offset: the offset, or -0.0 for none (`weight_of` in rmsnorm.cu adds it to every weight
+/// element, and w + -0.0 is w bit for bit, so a call without an offset gets the same bits as
+/// kernels that never added one).
+pub fn offset_param(offset: Option<f32>) -> f32 {
+    offset.unwrap_or(-0.0)
+}
+
 /// `rmsnorm_fwd_*`: FWD_ENTRY in rmsnorm.cu.
 pub static FORWARD: KernelSignature = KernelSignature {
     family: "rmsnorm_fwd",
@@ -59,6 +68,7 @@ pub static FORWARD: KernelSignature = KernelSignature {
         ("n", I32),
         ("team", I32),
         ("eps", F32),
+        ("offset", F32),
         ("rows_per_group", I64),
     ],
 };
@@ -77,6 +87,7 @@ pub static RESIDUAL: KernelSignature = KernelSignature {
         ("n", I32),
         ("team", I32),
         ("eps", F32),
+        ("offset", F32),
         ("rows_per_group", I64),
     ],
 };
@@ -89,10 +100,12 @@ pub static BACKWARD: KernelSignature = KernelSignature {
         ("w", Ptr),
         ("rstd", Ptr),
         ("dy", Ptr),
+        ("dh", Ptr),
         ("dx", Ptr),
         ("partial", Ptr),
         ("n", I32),
         ("team", I32),
+        ("offset", F32),
         ("chunk", I64),
         ("rows_per_group", I64),
         ("blocks_per_group", I64),
@@ -236,79 +249,137 @@ pub fn compiled_for(cc: i32) -> GpuResult<Arc<Compiled>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
+
+    const DIRECTIONS: [(Direction, &str); 3] = [
+        (Direction::Forward, "fwd"),
+        (Direction::Backward, "bwd"),
+        (Direction::Residual, "residual_fwd"),
+    ];
 
     #[test]
     fn every_pair_of_the_contract_has_its_kernels() {
         for pair in DtypePair::ALL {
             let (x, w) = (pair.x(), pair.weight());
-            for dir in [Direction::Forward, Direction::Backward] {
-                for vectorized in [true, false] {
+            for (dir, kind) in DIRECTIONS {
+                for (vectorized, path) in [(true, "v"), (false, "s")] {
                     let i = kernel_index(dir, x, Some(w), vectorized).unwrap();
-                    let kind = if dir == Direction::Forward {
-                        "fwd"
-                    } else {
-                        "bwd"
-                    };
-                    assert!(NAMES[i].starts_with(&format!(
-                        "rmsnorm_{kind}_{}_w{}_",
-                        code(x),
-                        code(w)
-                    )));
+                    assert_eq!(
+                        NAMES[i],
+                        format!("rmsnorm_{kind}_{}_w{}_{path}", code(x), code(w))
+                    );
+                    assert!(std::ptr::eq(
+                        KERNELS[i].1,
+                        match dir {
+                            Direction::Forward => &FORWARD,
+                            Direction::Backward => &BACKWARD,
+                            Direction::Residual => &RESIDUAL,
+                        }
+                    ));
+                    // No weight: the pair whose weight is x's dtype (a null pointer).
+                    assert_eq!(
+                        kernel_index(dir, x, None, vectorized),
+                        kernel_index(dir, x, Some(x), vectorized)
+                    );
                 }
             }
-            let i = finalize_index(pair.accumulation(), w).unwrap();
-            assert!(NAMES[i].ends_with(&format!("_{}_w{}", code(pair.accumulation()), code(w))));
+            let acc = pair.accumulation();
+            let i = finalize_index(acc, w).unwrap();
+            assert_eq!(
+                NAMES[i],
+                format!("rmsnorm_bwd_finalize_{}_w{}", code(acc), code(w))
+            );
         }
-        assert_eq!(
-            kernel_index(Direction::Forward, DataType::F32, None, true),
-            kernel_index(Direction::Forward, DataType::F32, Some(DataType::F32), true)
-        );
     }
 
     #[test]
     fn names_and_indices_agree() {
+        // The table holds the contract's pairs and (accumulator, weight) pairs, each once.
+        assert_eq!(COMBOS, DtypePair::ALL);
+        let finalize: HashSet<(DataType, DataType)> = DtypePair::ALL
+            .iter()
+            .map(|p| (p.accumulation(), p.weight()))
+            .collect();
+        assert_eq!(FINALIZE.len(), finalize.len());
+        assert_eq!(FINALIZE.iter().copied().collect::<HashSet<_>>(), finalize);
         assert_eq!(NAMES.len(), PER_COMBO * COMBOS.len() + FINALIZE.len());
-        let i = kernel_index(Direction::Forward, DataType::BF16, None, true).unwrap();
-        assert_eq!(NAMES[i], "rmsnorm_fwd_bf16_wbf16_v");
-        let i = kernel_index(
-            Direction::Backward,
-            DataType::F16,
-            Some(DataType::F32),
-            false,
-        )
-        .unwrap();
-        assert_eq!(NAMES[i], "rmsnorm_bwd_f16_wf32_s");
-        let i = kernel_index(Direction::Residual, DataType::F32, None, true).unwrap();
-        assert_eq!(NAMES[i], "rmsnorm_residual_fwd_f32_wf32_v");
-        let i = kernel_index(
-            Direction::Residual,
-            DataType::BF16,
-            Some(DataType::F32),
-            false,
-        )
-        .unwrap();
-        assert_eq!(NAMES[i], "rmsnorm_residual_fwd_bf16_wf32_s");
-        let i = finalize_index(DataType::F64, DataType::F32).unwrap();
-        assert_eq!(NAMES[i], "rmsnorm_bwd_finalize_f64_wf32");
-        assert!(kernel_index(
-            Direction::Forward,
-            DataType::F32,
-            Some(DataType::BF16),
-            true
-        )
-        .is_none());
-        for name in NAMES.iter() {
-            assert!(SOURCE.contains(&name[..name.len() - 2]) || SOURCE.contains("STAMP"));
+        let unique: HashSet<&str> = NAMES.iter().copied().collect();
+        assert_eq!(unique.len(), NAMES.len(), "every kernel name once");
+        // Dtypes outside the contract have no kernel (nothing falls back to a neighbour).
+        assert!(
+            kernel_index(Direction::Forward, DataType::F32, Some(DataType::S32), true).is_none()
+        );
+        assert!(kernel_index(Direction::Backward, DataType::S8, None, false).is_none());
+        assert!(finalize_index(DataType::BF16, DataType::F32).is_none());
+    }
+
+    /// The dtype-code pairs rmsnorm.cu stamps through `list` (`STAMP_WEIGHTS(x, T)` lines, or
+    /// `FINALIZE_WEIGHTS(acc, A)`) times the `entry` lines in that macro's definition
+    /// (`  STAMP(XN, T, w, W)`, or `  FINALIZE_ENTRY(AN, A, w, W)`): (x or acc code, w code).
+    fn stamped(list: &str, entry: &str) -> HashSet<(String, String)> {
+        let args = |rest: &str| -> Vec<String> {
+            let inside = rest.split(')').next().unwrap_or("");
+            inside.split(',').map(|a| a.trim().to_string()).collect()
+        };
+        let outer: Vec<String> = SOURCE
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{list}(")))
+            .map(|rest| args(rest)[0].clone())
+            .collect();
+        let inner: Vec<String> = SOURCE
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("  {entry}(")))
+            .map(|rest| args(rest)[2].clone())
+            .collect();
+        outer
+            .iter()
+            .flat_map(|a| inner.iter().map(move |w| (a.clone(), w.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn rmsnorm_cu_stamps_exactly_the_contracts_pairs() {
+        let want: HashSet<(String, String)> = COMBOS
+            .iter()
+            .map(|p| (code(p.x()).to_string(), code(p.weight()).to_string()))
+            .collect();
+        assert_eq!(stamped("STAMP_WEIGHTS", "STAMP"), want);
+        let want: HashSet<(String, String)> = FINALIZE
+            .iter()
+            .map(|&(a, w)| (code(a).to_string(), code(w).to_string()))
+            .collect();
+        assert_eq!(stamped("FINALIZE_WEIGHTS", "FINALIZE_ENTRY"), want);
+    }
+
+    #[test]
+    fn no_offset_adds_the_additive_identity() {
+        // What weight_of computes without a scale offset is the weight itself, bit for bit.
+        let none = offset_param(None);
+        for w in [
+            0.0f32,
+            -0.0,
+            1.5,
+            -2.0,
+            f32::MIN_POSITIVE,
+            -1e-45,
+            f32::INFINITY,
+        ] {
+            assert_eq!((w + none).to_bits(), w.to_bits(), "{w:e}");
+            assert_eq!((w as f64 + none as f64).to_bits(), (w as f64).to_bits());
         }
+        assert_eq!(offset_param(Some(1.0)), 1.0);
     }
 
     #[test]
     fn every_family_packs_like_its_cuda_signature() {
         // Pointers and i64 on 8-byte boundaries, i32/f32 on 4 (the layout cuLaunchKernel's
         // parameter buffer takes).
+        // x, w, y, rstd, rows, n, team, eps, offset, rows_per_group.
         assert_eq!(FORWARD.packed_bytes(), 4 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(RESIDUAL.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
-        assert_eq!(BACKWARD.packed_bytes(), 6 * 8 + 4 + 4 + 8 + 8 + 8);
+        // x, w, rstd, dy, dh, dx, partial, n, team, offset, 4 bytes of padding, chunk,
+        // rows_per_group, blocks_per_group.
+        assert_eq!(BACKWARD.packed_bytes(), 7 * 8 + 4 + 4 + 4 + 4 + 8 + 8 + 8);
         // partial, blocks, n, narrow, 4 bytes of padding, dw.
         assert_eq!(FINALIZE_KERNEL.packed_bytes(), 8 + 4 + 4 + 4 + 4 + 8);
     }

@@ -19,6 +19,10 @@
 //! host reads of the arguments, fixed scratch pointers. Hence the bundles declare themselves
 //! command-buffer compatible (CUDA graphs).
 //!
+//! Variants are kernel parameters, not passes: a scale offset (`offset + w`, added to each weight
+//! element in the accumulation dtype as it is read) and the fused residual's `dh` (added to dx
+//! before its one rounding) cost no launch and no traffic beyond reading dh.
+//!
 //! The scratch is per device, not per stream: XLA runs one executable's work for a device on
 //! that device's compute stream, so calls using the same scratch are ordered by the stream.
 
@@ -80,6 +84,9 @@ fn compile_for_visible_devices() -> FfiResult<()> {
 pub struct GpuForwardState {
     pub live: LiveState,
     eps: f32,
+    /// `Some`: the weight applied is `offset + w`, added inside the kernels in the accumulation
+    /// dtype (their `offset` parameter, [`kernels::offset_param`]).
+    offset: Option<f32>,
     has_weight: bool,
     row_len: usize,
     devices: DeviceSlots,
@@ -89,6 +96,11 @@ xla_ffi_bundles::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardStat
 /// Per-call-site state of the GPU `rmsnorm_bwd`.
 pub struct GpuBackwardState {
     pub live: LiveState,
+    /// As the forward's: the weight applied is `offset + w`; dweight is still w's gradient.
+    offset: Option<f32>,
+    /// Calls have a `dh` operand after dy, added to dx before its one rounding (the kernels'
+    /// `dh` parameter; see `BackwardAttrs::has_dh`).
+    has_dh: bool,
     has_weight: bool,
     row_len: usize,
     devices: DeviceSlots,
@@ -107,15 +119,12 @@ impl GpuForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
-        if let Some(offset) = check_scale_offset(attrs.scale_offset)? {
-            return Err(FfiError::invalid_argument(format!(
-                "attribute `scale_offset` ({offset}): not supported by the CUDA kernels yet"
-            )));
-        }
+        let offset = check_scale_offset(attrs.scale_offset)?;
         compile_for_visible_devices()?;
         Ok(GpuForwardState {
             live: LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState"),
             eps: attrs.eps,
+            offset,
             has_weight: attrs.has_weight,
             row_len,
             devices: DeviceSlots::default(),
@@ -210,19 +219,12 @@ impl Instantiate for GpuBackward {
                  backward that takes rstd itself from x is CPU only"
             )));
         }
-        if let Some(offset) = check_scale_offset(attrs.scale_offset)? {
-            return Err(FfiError::invalid_argument(format!(
-                "attribute `scale_offset` ({offset}): not supported by the CUDA kernels yet"
-            )));
-        }
-        if attrs.has_dh == Some(true) {
-            return Err(FfiError::invalid_argument(
-                "attribute `has_dh`: not supported by the CUDA kernels yet",
-            ));
-        }
+        let offset = check_scale_offset(attrs.scale_offset)?;
         compile_for_visible_devices()?;
         Ok(GpuBackwardState {
             live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState"),
+            offset,
+            has_dh: attrs.has_dh == Some(true),
             has_weight: attrs.has_weight,
             row_len,
             devices: DeviceSlots::default(),
@@ -247,12 +249,13 @@ impl Initialize for GpuBackward {
     }
 }
 
-/// The operands every CUDA backward call has: rstd given, no dh.
+/// The operands of the call site's CUDA backward calls: rstd always given (the kernels read the
+/// forward's), dh when the call site says so.
 fn backward_form(state: &GpuBackwardState) -> BackwardForm {
     BackwardForm {
         has_weight: state.has_weight,
         has_rstd: true,
-        has_dh: false,
+        has_dh: state.has_dh,
         row_len: state.row_len,
     }
 }
@@ -394,6 +397,7 @@ fn launch_forward(
         .i32("n", layout.n as i32)
         .i32("team", launch.team as i32)
         .f32("eps", state.eps)
+        .f32("offset", kernels::offset_param(state.offset))
         .i64("rows_per_group", layout.rows_per_group().max(1) as i64)
         .enqueue(ctx.stream()?)?;
     Ok(())
@@ -417,6 +421,7 @@ impl Execute for GpuBackward {
             w,
             rstd,
             dy,
+            dh,
             dx,
             dw,
             pair,
@@ -443,7 +448,8 @@ impl Execute for GpuBackward {
             addr(dx.device_ptr()),
         );
         let dwp = dw.as_ref().map_or(0, |d| addr(d.device_ptr()));
-        let vectorized = plan::can_vectorize(x.dtype(), n, &[xp, wp, dyp, dxp]);
+        let dhp = dh.as_ref().map_or(0, |d| addr(d.device_ptr()));
+        let vectorized = plan::can_vectorize(x.dtype(), n, &[xp, wp, dyp, dhp, dxp]);
         let per_group = layout.rows_per_group();
         let launch = plan::backward_launch(
             x.dtype(),
@@ -478,10 +484,12 @@ impl Execute for GpuBackward {
                 .ptr("w", wp)
                 .ptr("rstd", rp)
                 .ptr("dy", dyp)
+                .ptr("dh", dhp)
                 .ptr("dx", dxp)
                 .ptr("partial", if dw.is_some() { scratch } else { 0 })
                 .i32("n", n as i32)
                 .i32("team", launch.team as i32)
+                .f32("offset", kernels::offset_param(state.offset))
                 .i64("chunk", launch.chunk)
                 .i64("rows_per_group", per_group as i64)
                 .i64("blocks_per_group", launch.blocks_per_group as i64)

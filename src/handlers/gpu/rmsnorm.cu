@@ -267,17 +267,29 @@ __device__ __forceinline__ A rstd_of(double sum_sq, int n, float eps) {
   return A(1.0 / sqrt(sum_sq / (double)n + (double)eps));
 }
 
-// x * r * w (w may be null) for one pack.
+// The weight a kernel applies, `offset + w` in A: w widened (or, a float64 weight with a float32
+// accumulator, rounded) to A, plus the scale offset (zero-centred gamma: Gemma's `1 + w`), one
+// rounding in A, inside the kernel: never `1 + w` rounded to a bfloat16 weight, and no pass of
+// its own. The launch code passes -0.0 for no offset: w + -0.0 is w bit for bit, signed zeros
+// included, so one expression serves both (the CPU bundle's math::offset_weights adds the same
+// two values in A).
+template <typename A, typename W>
+__device__ __forceinline__ A weight_of(W w, A offset) {
+  return A(Elem<W>::load(w)) + offset;
+}
+
+// x * r * (offset + w) (w may be null: then x * r) for one pack.
 template <typename T, typename W, int VEC>
 __device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr, int v,
-                                              typename Elem<T>::Acc r) {
+                                              typename Elem<T>::Acc r,
+                                              typename Elem<T>::Acc offset) {
   typedef typename Elem<T>::Acc A;
   Pack<T, VEC> out;
   if (wr) {
     const Pack<W, VEC> wp = load_pack<W, VEC>(wr, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r * A(Elem<W>::load(wp.e[e])));
+      out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r * weight_of<A>(wp.e[e], offset));
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r);
@@ -313,8 +325,8 @@ __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* 
 }
 
 // ------------------------------------------------------------------------------------------
-// Forward: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the same of
-// h = x + residual, and h written.
+// Forward: y = x * rstd * (offset + w), rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the
+// same of h = x + residual, and h written.
 // ------------------------------------------------------------------------------------------
 template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
 __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
@@ -322,8 +334,10 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
                                                  const W* __restrict__ w, T* __restrict__ y,
                                                  T* __restrict__ h,
                                                  typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
-                                                 int n, int team, float eps, i64 rows_per_group) {
+                                                 int n, int team, float eps, float offset,
+                                                 i64 rows_per_group) {
   typedef typename Elem<T>::Acc A;
+  const A off = A(offset);
   typedef Wide<A> S;
   __shared__ S red[32];
   const int teams = blockDim.x / team;
@@ -372,7 +386,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
-        if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r));
+        if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r, off));
       }
     } else {
       // Long rows: the input again (h recomputed from x and the residual rather than read
@@ -380,7 +394,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       A unused = A(0);
       for (int v = lane; v < nv; v += team) {
         const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
-        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r));
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r, off));
       }
     }
   }
@@ -488,21 +502,46 @@ __device__ __forceinline__ void store_narrow(A* nrow, A (&acc)[VPT][VEC], int te
   }
 }
 
+// Stores pack `v` of a dx row from its values `d` in A. With a `dh` row (the fused residual add's
+// backward: the gradient that reached h = x + residual from later layers), d + dh in A, rounded
+// once to T, where adding dh to d rounded to T would round twice (off by up to half a unit of d,
+// which is many units of a sum that cancels: tests/gpu_emulated.rs measures 184-349 units
+// against one). dh is read as x and dy are, one 16-byte vector per pack on the vector path;
+// `dhr` is null or not for the whole launch, so the branch never diverges.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
+                                         const typename Elem<T>::Acc (&d)[VEC]) {
+  Pack<T, VEC> out;
+  if (dhr) {
+    const Pack<T, VEC> hp = load_pack<T, VEC>(dhr, v);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(d[e] + Elem<T>::load(hp.e[e]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(d[e]);
+  }
+  store_pack<T, VEC>(dxr, v, out);
+}
+
 // ------------------------------------------------------------------------------------------
-// Backward: g = dy * w; dx = rstd * g - x * rstd^3 / n * sum(g * x); dw += dy * x * rstd.
+// Backward: g = dy * (offset + w); dx = rstd * g - x * rstd^3 / n * sum(g * x) (+ dh);
+// dw += dy * x * rstd (the gradient with respect to w: the offset does not enter it).
 // Block b serves group g = b / blocks_per_group: rows [g * rows_per_group + (b % blocks_per_group)
 // * chunk, ...) up to chunk rows within the group, with the weight row w + g * n, and writes
-// partial[b * n ...] (when w).
+// partial[b * n ...] (when w). A non-null `dh` (x's shape) is added to dx in A before its one
+// rounding (see store_dx).
 // ------------------------------------------------------------------------------------------
 template <typename T, typename W, int VEC, int VPT>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
                                                  const typename Elem<T>::Acc* __restrict__ rstd,
-                                                 const T* __restrict__ dy, T* __restrict__ dx,
+                                                 const T* __restrict__ dy,
+                                                 const T* __restrict__ dh, T* __restrict__ dx,
                                                  Wide<typename Elem<T>::Acc>* __restrict__ partial,
-                                                 int n, int team, i64 chunk, i64 rows_per_group,
-                                                 i64 blocks_per_group) {
+                                                 int n, int team, float offset, i64 chunk,
+                                                 i64 rows_per_group, i64 blocks_per_group) {
   typedef typename Elem<T>::Acc A;
   typedef Wide<A> S;
+  const A off = A(offset);
   __shared__ S red[32];
 #if defined(__CUDACC_RTC__)
   extern __shared__ unsigned char smem_raw[];
@@ -583,7 +622,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              part += Elem<T>::load(gc[k].e[e]) * A(Elem<W>::load(wp.e[e])) *
+              part += Elem<T>::load(gc[k].e[e]) * weight_of<A>(wp.e[e], off) *
                       Elem<T>::load(xc[k].e[e]);
           } else {
 #pragma unroll
@@ -601,7 +640,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            part += Elem<T>::load(gp.e[e]) * A(Elem<W>::load(wp.e[e])) * Elem<T>::load(xp.e[e]);
+            part += Elem<T>::load(gp.e[e]) * weight_of<A>(wp.e[e], off) * Elem<T>::load(xp.e[e]);
         } else {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) part += Elem<T>::load(gp.e[e]) * Elem<T>::load(xp.e[e]);
@@ -619,42 +658,45 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       // rstd^3 * sum(g * x) / n in float64, rounded once.
       const double rd = (double)r;
       const A c = A(rd * rd * rd * (dot.value() * inv_n));
+      // dh's row, computed here rather than with x's, dy's and dx's at the top of the row loop:
+      // held through the loop it spilled more (float32 x with a float64 weight, sm_80: 56/148
+      // bytes of spill stores/loads against 40/132).
+      const T* dhr = dh ? dh + row * n : nullptr;
       if (cached) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
           const int v = lane + k * team;
           if (v < nv) {
-            Pack<T, VEC> out;
+            A d[VEC];
             if (wg) {
               const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
                 const A xa = Elem<T>::load(xc[k].e[e]);
                 const A ga = Elem<T>::load(gc[k].e[e]);
-                out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
+                d[e] = r * ga * weight_of<A>(wp.e[e], off) - xa * c;
                 acc[k][e] += ga * xa * r;
               }
             } else {
 #pragma unroll
               for (int e = 0; e < VEC; ++e)
-                out.e[e] = Elem<T>::store(r * Elem<T>::load(gc[k].e[e]) -
-                                          Elem<T>::load(xc[k].e[e]) * c);
+                d[e] = r * Elem<T>::load(gc[k].e[e]) - Elem<T>::load(xc[k].e[e]) * c;
             }
-            store_pack<T, VEC>(dxr, v, out);
+            store_dx<T, VEC>(dxr, dhr, v, d);
           }
         }
       } else {
         for (int v = lane; v < nv; v += team) {
           const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
           const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
-          Pack<T, VEC> out;
+          A d[VEC];
           if (wg) {
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               const A xa = Elem<T>::load(xp.e[e]);
               const A ga = Elem<T>::load(gp.e[e]);
-              out.e[e] = Elem<T>::store(r * ga * A(Elem<W>::load(wp.e[e])) - xa * c);
+              d[e] = r * ga * weight_of<A>(wp.e[e], off) - xa * c;
               if (prow) {
                 EMU_GLOBAL(prow + v * VEC + e, false);
                 EMU_GLOBAL(prow + v * VEC + e, true);
@@ -669,10 +711,9 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              out.e[e] =
-                  Elem<T>::store(r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c);
+              d[e] = r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c;
           }
-          store_pack<T, VEC>(dxr, v, out);
+          store_dx<T, VEC>(dxr, dhr, v, d);
         }
       }
     }
@@ -763,7 +804,8 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 //   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_residual_fwd_<x>_w<w>_<v|s>,
 //   rmsnorm_bwd_finalize_<acc>_w<w>
 // `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses.
-// A null `w` means no weight. VPT (vectors cached per thread): forward 4 (blocks up to 1024
+// A null `w` means no weight; `offset` is the scale offset (-0.0 for none: weight_of), `dh` the
+// backward's added gradient (null for none: store_dx). VPT (vectors cached per thread): forward 4 (blocks up to 1024
 // threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
 // thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
 // (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
@@ -771,26 +813,26 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
-      float eps, i64 rows_per_group) {                                                      \
+      float eps, float offset, i64 rows_per_group) {                                        \
     rmsnorm_fwd_impl<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team,  \
-                                            eps, rows_per_group);                           \
+                                            eps, offset, rows_per_group);                   \
   }
 
 #define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
       const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
-      int n, int team, float eps, i64 rows_per_group) {                                     \
+      int n, int team, float eps, float offset, i64 rows_per_group) {                       \
     rmsnorm_fwd_impl<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps,   \
-                                           rows_per_group);                                 \
+                                           offset, rows_per_group);                         \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
-      const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, T* dx,                  \
-      Wide<Elem<T>::Acc>* partial, int n, int team, i64 chunk, i64 rows_per_group,           \
-      i64 blocks_per_group) {                                                                \
-    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dx, partial, n, team, chunk,            \
-                                     rows_per_group, blocks_per_group);                      \
+      const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, const T* dh, T* dx,     \
+      Wide<Elem<T>::Acc>* partial, int n, int team, float offset, i64 chunk,                 \
+      i64 rows_per_group, i64 blocks_per_group) {                                            \
+    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dh, dx, partial, n, team, offset,       \
+                                     chunk, rows_per_group, blocks_per_group);               \
   }
 
 #define STAMP(XN, T, WN, W)                                                                   \
@@ -801,22 +843,33 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                 \
   RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)
 
-STAMP(f32, float, f32, float)
-STAMP(f64, double, f64, double)
-STAMP(f64, double, f32, float)
-STAMP(bf16, bf16_t, bf16, bf16_t)
-STAMP(bf16, bf16_t, f32, float)
-STAMP(f16, f16_t, f16, f16_t)
-STAMP(f16, f16_t, f32, float)
-
 #define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
   extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \
       const Wide<A>* partial, int blocks, int n, int narrow, W* dw) {                         \
     rmsnorm_bwd_finalize_impl<A, W>(partial, blocks, n, narrow, dw);                          \
   }
 
-FINALIZE_ENTRY(f32, float, f32, float)
-FINALIZE_ENTRY(f32, float, bf16, bf16_t)
-FINALIZE_ENTRY(f32, float, f16, f16_t)
-FINALIZE_ENTRY(f64, double, f64, double)
-FINALIZE_ENTRY(f64, double, f32, float)
+// Every (x, weight) pair of the op contract (src/handlers/contract.rs: any of the four floats
+// for x with any of them for the weight; kernels.rs's table lists the same names, and its
+// tests and tests/gpu_kernels.rs check them against this file and its PTX).
+#define STAMP_WEIGHTS(XN, T)                                                                  \
+  STAMP(XN, T, f32, float)                                                                    \
+  STAMP(XN, T, f64, double)                                                                   \
+  STAMP(XN, T, bf16, bf16_t)                                                                  \
+  STAMP(XN, T, f16, f16_t)
+
+// A finalize per (accumulator, weight) pair the contract yields: float32 sums (x float32,
+// bfloat16, float16) and float64 sums (x float64), each with every weight dtype.
+#define FINALIZE_WEIGHTS(AN, A)                                                               \
+  FINALIZE_ENTRY(AN, A, f32, float)                                                           \
+  FINALIZE_ENTRY(AN, A, f64, double)                                                          \
+  FINALIZE_ENTRY(AN, A, bf16, bf16_t)                                                         \
+  FINALIZE_ENTRY(AN, A, f16, f16_t)
+
+STAMP_WEIGHTS(f32, float)
+STAMP_WEIGHTS(f64, double)
+STAMP_WEIGHTS(bf16, bf16_t)
+STAMP_WEIGHTS(f16, f16_t)
+
+FINALIZE_WEIGHTS(f32, float)
+FINALIZE_WEIGHTS(f64, double)

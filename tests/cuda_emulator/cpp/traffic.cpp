@@ -391,12 +391,12 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
     if (res)
       launches.push_back(run("rmsnorm_residual_fwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
                              {x.addr(), r.addr(), w.addr(), y.addr(), h.addr(), rstd.addr(), rows,
-                              n, l.team, f2u(1e-5f), rows},
+                              n, l.team, f2u(1e-5f), f2u(-0.0f), rows},
                              cached));
     else
       launches.push_back(run("rmsnorm_fwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
                              {x.addr(), w.addr(), y.addr(), rstd.addr(), rows, n, l.team,
-                              f2u(1e-5f), rows},
+                              f2u(1e-5f), f2u(-0.0f), rows},
                              cached));
     snprintf(plan, sizeof plan, "%s %s %s n=%llu rows=%llu grid=%llu block=%llu team=%llu",
              kind.c_str(), kName[xt], vec ? "v" : "s", (unsigned long long)n,
@@ -418,8 +418,9 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
     add_buffer("dw", dw, n * xb, false);
     const bool cached = n / vec_width(xt, vec) <= l.team * vpt_of(true, xt, vec);
     launches.push_back(run("rmsnorm_bwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
-                           {x.addr(), w.addr(), rstd.addr(), dy.addr(), dx.addr(), partial.addr(),
-                            n, l.team, (uint64_t)l.chunk, rows, l.blocks_per_group},
+                           {x.addr(), w.addr(), rstd.addr(), dy.addr(), 0, dx.addr(),
+                            partial.addr(), n, l.team, f2u(-0.0f), (uint64_t)l.chunk, rows,
+                            l.blocks_per_group},
                            cached));
     const Launch f{(n + 31) / 32, 256, 0, 0, 0, 0};
     launches.push_back(run(std::string("rmsnorm_bwd_finalize_") + kName[acc_of(xt)] + "_w" +
