@@ -75,6 +75,13 @@ KNOWN_MISSES = {f"bwd bf16 {TOTAL // n}x{n}: predicted" for n in (32768, 65536)}
 KINDS = ["fwd", "bwd", "res"]
 DTYPES = ["bf16", "f32"]
 SIZE_OF = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8}
+CTYPE = {"f32": "float", "bf16": "bf16_t", "f16": "f16_t", "f64": "double"}
+# The kernels these runs launch, the only ones the builds stamp (EMU_PAIRS in rmsnorm.cu: a
+# third of the compile time of all 16 pairs; the kernels are the same code either way).
+PAIRS = " ".join(
+    [f"STAMP({d}, {CTYPE[d]}, {d}, {CTYPE[d]})" for d in DTYPES]
+    + [f"FINALIZE_ENTRY({'f64' if d == 'f64' else 'f32'}, {'double' if d == 'f64' else 'float'}, "
+       f"{d}, {CTYPE[d]})" for d in DTYPES])
 
 # --- build -----------------------------------------------------------------------------------
 
@@ -84,14 +91,14 @@ def build(source: Path, out: Path, name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     table = out / f"{name}-kernel_table.inc"
     pre = subprocess.run(
-        ["g++", "-std=c++17", "-x", "c++", "-E", "-DEMU_EXPAND", "-include",
+        ["g++", "-std=c++17", "-x", "c++", "-E", "-DEMU_EXPAND", f"-DEMU_PAIRS={PAIRS}", "-include",
          str(cpp / "cuda_shim.h"), str(source)],
         check=True, capture_output=True, text=True).stdout
     entries = re.findall(r"EMU_LAUNCH_BOUNDS\(([0-9]+)(?:, *([0-9]+))?\) *([A-Za-z0-9_]+)", pre)
     assert entries, "no kernels in the preprocessed source"
     table.write_text("".join(f"EMU_KERNEL({k}, {a}, 0{b})\n" for a, b, k in entries))
     common = ["g++", "-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
-              "-DEMU_TRAFFIC", f"-I{cpp}"]
+              "-DEMU_TRAFFIC", f"-DEMU_PAIRS={PAIRS}", f"-I{cpp}"]
     jobs = [
         common + ["-include", str(cpp / "cuda_shim.h"), f'-DEMU_KERNEL_SOURCE="{source}"',
                   f'-DEMU_KERNEL_TABLE="{table}"', "-c", str(cpp / "kernels.cpp"), "-o",
@@ -133,7 +140,8 @@ def site_packages() -> list[Path]:
 
 
 def nvrtc_ptx(arch: str, source: Path = SOURCE) -> str:
-    """rmsnorm.cu compiled by NVRTC with the product's options (driver/nvrtc.rs)."""
+    """rmsnorm.cu compiled by NVRTC with the product's options (driver/nvrtc.rs), stamping the
+    kernels the runs launch (PAIRS; tests/gpu_kernels.rs assembles all of them)."""
     lib = next((p / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12" for p in site_packages()
                 if (p / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12").exists()), None)
     if lib is None:
@@ -142,7 +150,8 @@ def nvrtc_ptx(arch: str, source: Path = SOURCE) -> str:
     prog = ctypes.c_void_p()
     src = source.read_bytes()
     assert nv.nvrtcCreateProgram(ctypes.byref(prog), src, b"rmsnorm.cu", 0, None, None) == 0
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-default-device"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-default-device",
+            f"-DEMU_PAIRS={PAIRS}".encode()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()

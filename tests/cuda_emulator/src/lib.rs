@@ -18,6 +18,8 @@ mod build_info {
     include!(concat!(env!("OUT_DIR"), "/build_info.rs"));
 }
 
+mod kernel_table;
+
 /// The fake libcuda.
 pub fn fake_libcuda() -> PathBuf {
     Path::new(build_info::OUT_DIR).join("libcuda_fake.so")
@@ -30,22 +32,57 @@ pub fn emulated_kernels() -> PathBuf {
 
 /// Builds the emulated kernels from `source` (an edited copy of `rmsnorm.cu`) into
 /// `dir/libemu_kernels.so`, with the same compiler and flags as the real build (less the debug
-/// information). The kernel table is the real source's: an edit must not add or remove kernels.
-pub fn build_kernels_from(source: &str, dir: &Path) -> Result<PathBuf, String> {
+/// information). `pairs`: rmsnorm.cu's `EMU_PAIRS`, the STAMP and FINALIZE_ENTRY lines to
+/// compile instead of all of them (a build for a few cases compiles in a third of the time);
+/// the kernel table is the build's own. Only the kernels it has can be launched while it is in
+/// use ([`Fake::use_kernels`]; the module the product loaded keeps every name).
+pub fn build_kernels_from(
+    source: &str,
+    pairs: Option<&str>,
+    dir: &Path,
+) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let cu = dir.join("rmsnorm.cu");
     std::fs::write(&cu, source).map_err(|e| e.to_string())?;
     let object = dir.join("kernels.o");
     let library = dir.join("libemu_kernels.so");
+    let table = dir.join("kernel_table.inc");
     let placeholder = format!("\"{}\"", cu.display());
-    let mut compile = Command::new(build_info::COMPILER);
+    let pairs = pairs.map(|p| format!("-DEMU_PAIRS={p}"));
     // Without debug information: these builds only have to run (a third faster to compile).
-    for arg in build_info::COMPILE_ARGS
-        .iter()
-        .filter(|a| **a != "-g" && !a.starts_with("-gdwarf"))
-    {
-        compile.arg(arg.replace("\"EMU_SOURCE_PLACEHOLDER\"", &placeholder));
+    let args = || {
+        build_info::COMPILE_ARGS
+            .iter()
+            .filter(|a| **a != "-g" && !a.starts_with("-gdwarf") && **a != "-c")
+            .map(|a| {
+                if a.starts_with("-DEMU_KERNEL_TABLE=") {
+                    format!("-DEMU_KERNEL_TABLE=\"{}\"", table.display())
+                } else {
+                    a.replace("\"EMU_SOURCE_PLACEHOLDER\"", &placeholder)
+                }
+            })
+            .chain(pairs.clone())
+    };
+    // The kernel table: the entry points this build stamps, from its preprocessed source.
+    let mut expand = Command::new(build_info::COMPILER);
+    expand
+        .args(args())
+        .args(["-DEMU_EXPAND", "-E", "-x", "c++"])
+        .arg(&cu);
+    let out = expand.output().map_err(|e| format!("{expand:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{expand:?} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
+    let entries = kernel_table::kernel_table(&String::from_utf8_lossy(&out.stdout));
+    if entries.is_empty() {
+        return Err(format!("no kernels in {}", cu.display()));
+    }
+    std::fs::write(&table, entries.join("\n") + "\n").map_err(|e| e.to_string())?;
+    let mut compile = Command::new(build_info::COMPILER);
+    compile.args(args()).arg("-c");
     compile.arg(build_info::KERNELS_CPP).arg("-o").arg(&object);
     run(compile)?;
     let mut link = Command::new(build_info::COMPILER);
