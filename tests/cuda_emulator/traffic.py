@@ -3,7 +3,8 @@
 1. Builds the emulator with EMU_TRAFFIC (cpp/traffic.cpp: every global access the kernels
    make is recorded) and runs forward, backward (+ the dweight finalize) and the fused residual
    forward, bfloat16 and float32 with a weight of x's dtype, over row lengths 64..65536 (2^24
-   elements each) and 8192x128, with the launch plans of src/handlers/gpu/plan.rs (re-derived
+   elements each) and 8192x128, and the backward with the fused residual's dh and a scale
+   offset (bwdh: bfloat16, three shapes), with the launch plans of src/handlers/gpu/plan.rs (re-derived
    in traffic.cpp; every plan run is written to docs/gpu-traffic-plans.txt, which plan.rs's
    unit test checks against the Rust functions, and this script checks the fresh plans
    against that file).
@@ -75,6 +76,9 @@ KNOWN_MISSES = {f"bwd bf16 {TOTAL // n}x{n}: predicted" for n in (32768, 65536)}
 KINDS = ["fwd", "bwd", "res"]
 DTYPES = ["bf16", "f32"]
 SIZE_OF = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8}
+# The backward with dh (the fused residual add's: one more row array read, added to dx before its
+# one rounding) and a scale offset, whose targets are the backward's: (dtype, n, rows).
+DH_CALLS = [("bf16", 1024, TOTAL // 1024), ("bf16", 16384, TOTAL // 16384), ("bf16", 128, 8192)]
 CTYPE = {"f32": "float", "bf16": "bf16_t", "f16": "f16_t", "f64": "double"}
 # The kernels these runs launch, the only ones the builds stamp (EMU_PAIRS in rmsnorm.cu: a
 # third of the compile time of all 16 pairs; the kernels are the same code either way).
@@ -121,6 +125,7 @@ def shapes() -> list[tuple[int, int]]:
 
 def emulate(exe: Path, max_blocks: int, forward_min_team: int = 1) -> list[dict]:
     lines = "".join(f"{k} {d} {n} {rows}\n" for d in DTYPES for k in KINDS for n, rows in shapes())
+    lines += "".join(f"bwdh {d} {n} {rows}\n" for d, n, rows in DH_CALLS)
     out = subprocess.run([str(exe), str(max_blocks), str(forward_min_team)], input=lines,
                          capture_output=True, text=True)
     if out.returncode != 0:
@@ -231,8 +236,8 @@ def occupancy(regs: int, threads: int, smem: int) -> dict:
 def minimum_bytes(kind: str, dtype: str, n: int, rows: int) -> int:
     e, acc = SIZE_OF[dtype], 8 if dtype == "f64" else 4
     row = rows * n * e
-    return {"fwd": 2 * row, "res": 4 * row, "bwd": 3 * row}[kind] + n * e * (
-        2 if kind == "bwd" else 1) + rows * acc
+    return {"fwd": 2 * row, "res": 4 * row, "bwd": 3 * row, "bwdh": 4 * row}[kind] + n * e * (
+        2 if kind in ("bwd", "bwdh") else 1) + rows * acc
 
 
 def launch_model(launch: dict, usage: dict) -> dict:
@@ -302,7 +307,7 @@ def call_model(call: dict, usage: dict) -> dict:
     first = call["launches"][0]
     narrow = dtype != "f64" and first["team"] == first["block"][0] and first["chunk"] <= 8
     wide = 16 if dtype == "f64" else 4 if narrow else 8
-    scratch_design = call["launches"][0]["grid"] * n * wide if kind == "bwd" else 0
+    scratch_design = call["launches"][0]["grid"] * n * wide if kind in ("bwd", "bwdh") else 0
     useful = sectors = s_useful = s_sectors = 0
     row_widths: set[int] = set()
     for lc in call["launches"]:
@@ -314,7 +319,7 @@ def call_model(call: dict, usage: dict) -> dict:
                     continue
                 useful += b[d]["useful"]
                 sectors += 32 * b[d]["sectors"]
-                if b["name"] in ("x", "y", "dy", "dx", "residual", "h", "w"):
+                if b["name"] in ("x", "y", "dy", "dh", "dx", "residual", "h", "w"):
                     row_widths |= {int(w) for w, c in b[d]["widths"].items() if c}
     passes = sum(b["read"]["requested"] for lc in call["launches"] for b in lc["buffers"]
                  if b["name"] == "x") / (rows * n * SIZE_OF[dtype])
@@ -352,7 +357,7 @@ def check(models: list[dict], usage: dict) -> list[str]:
             if m["row_widths"] != [16]:
                 misses.append(f"{tag}: row arrays accessed {m['row_widths']} bytes wide, not 16")
         if m["dtype"] == "bf16" and m["n"] >= 1024:
-            want = TARGET_BWD if m["kind"] == "bwd" else TARGET_FWD
+            want = TARGET_BWD if m["kind"] in ("bwd", "bwdh") else TARGET_FWD
             if m["predicted_fraction"] < want:
                 misses.append(f"{tag}: predicted {m['predicted_fraction']:.1%} of peak < "
                               f"{want:.0%}")
@@ -377,7 +382,7 @@ def table(models: list[dict]) -> str:
     for m in models:
         lm = m["launches"][0]
         launch = f"{lm['grid']} x {lm['block'][0]}, {lm['team']}"
-        if m["kind"] == "bwd":
+        if m["kind"] in ("bwd", "bwdh"):
             launch += f" (+{m['launches'][1]['grid']} x 256)"
         regs = "/".join(str(x["registers"]) for x in m["launches"])
         occ = "/".join(f"{x['blocks_per_sm']} ({x['warps_per_sm']})" for x in m["launches"])
@@ -417,7 +422,8 @@ def ptxas_table(usage: dict) -> str:
 
 
 def plans(calls: list[dict]) -> str:
-    return "".join(c["plan"] + "\n" for c in calls)
+    """The launch plans run (bwdh's are the backward's: not listed again)."""
+    return "".join(c["plan"] + "\n" for c in calls if c["kind"] != "bwdh")
 
 
 def run_all(source: Path, out: Path, name: str, max_blocks: int, usage: dict,

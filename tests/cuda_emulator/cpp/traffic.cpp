@@ -22,8 +22,9 @@
 // scaled to the grid (per-row buffers) or taken as they are (the weight, read by every block:
 // its distinct sectors do not grow with the grid). All of them when the grid is small.
 //
-// Usage: traffic [max_blocks [forward_min_team]] < lines of "kind dtype n rows" (kind fwd|res|bwd; dtype
-// f32|bf16|f16|f64; the weight of x's dtype).
+// Usage: traffic [max_blocks [forward_min_team]] < lines of "kind dtype n rows" (kind
+// fwd|res|bwd|bwdh, bwdh: the backward with dh, the fused residual's, and a scale offset of 1;
+// dtype f32|bf16|f16|f64; the weight of x's dtype).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -403,24 +404,26 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
              (unsigned long long)rows, (unsigned long long)l.grid, (unsigned long long)l.block,
              (unsigned long long)l.team);
   } else {
+    const bool with_dh = kind == "bwdh";
     const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, true);
     // plan.rs's narrow_partials: float32 partial rows.
     const bool narrow = acc_of(xt) == F32 && l.team == l.block && l.chunk <= 8;
     const size_t wide = narrow ? 4 : wide_bytes_of(acc_of(xt));
-    Mem x(count * xb), w(n * xb), rstd(rows * ab), dy(count * xb), dx(count * xb),
-        partial(l.grid * n * wide), dw(n * xb);
+    Mem x(count * xb), w(n * xb), rstd(rows * ab), dy(count * xb), dh(with_dh ? count * xb : 0),
+        dx(count * xb), partial(l.grid * n * wide), dw(n * xb);
     add_buffer("x", x, count * xb, false);
     add_buffer("w", w, n * xb, true);
     add_buffer("rstd", rstd, rows * ab, false);
     add_buffer("dy", dy, count * xb, false);
+    if (with_dh) add_buffer("dh", dh, count * xb, false);
     add_buffer("dx", dx, count * xb, false);
     add_buffer("partial", partial, l.grid * n * wide, false);
     add_buffer("dw", dw, n * xb, false);
     const bool cached = n / vec_width(xt, vec) <= l.team * vpt_of(true, xt, vec);
     launches.push_back(run("rmsnorm_bwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
-                           {x.addr(), w.addr(), rstd.addr(), dy.addr(), 0, dx.addr(),
-                            partial.addr(), n, l.team, f2u(-0.0f), (uint64_t)l.chunk, rows,
-                            l.blocks_per_group},
+                           {x.addr(), w.addr(), rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
+                            dx.addr(), partial.addr(), n, l.team, f2u(with_dh ? 1.0f : -0.0f),
+                            (uint64_t)l.chunk, rows, l.blocks_per_group},
                            cached));
     const Launch f{(n + 31) / 32, 256, 0, 0, 0, 0};
     launches.push_back(run(std::string("rmsnorm_bwd_finalize_") + kName[acc_of(xt)] + "_w" +
@@ -429,9 +432,9 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
                            {partial.addr(), l.blocks_per_group, n, (uint64_t)narrow, dw.addr()},
                            false));
     snprintf(plan, sizeof plan,
-             "bwd %s %s n=%llu rows=%llu sms=%d grid=%llu block=%llu team=%llu shared=%llu "
+             "%s %s %s n=%llu rows=%llu sms=%d grid=%llu block=%llu team=%llu shared=%llu "
              "chunk=%llu blocks_per_group=%llu",
-             kName[xt], vec ? "v" : "s", (unsigned long long)n, (unsigned long long)rows, kSms,
+             kind.c_str(), kName[xt], vec ? "v" : "s", (unsigned long long)n, (unsigned long long)rows, kSms,
              (unsigned long long)l.grid, (unsigned long long)l.block, (unsigned long long)l.team,
              (unsigned long long)l.shared, (unsigned long long)l.chunk,
              (unsigned long long)l.blocks_per_group);
