@@ -71,6 +71,14 @@ def _reserve_product() -> None:
             _owners.setdefault(key, _PRODUCT)
 
 
+# XLA's names of this build's platforms, as jax's registration functions key them: they map
+# "cpu" (and "gpu") themselves, but take any other name as XLA's, and XLA's CUDA platform is
+# "CUDA". Registered as "cuda", the handlers waited in jax's pending list for a platform of that
+# name, which never comes: every call on an H200 failed with "No FFI handler registered for
+# rmsnorm_fwd on a platform CUDA" (jax 0.11.2, the first run on a device).
+_XLA_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA", "rocm": "ROCM"}
+
+
 def _register(description: dict, owner: str, platforms: list[str]) -> tuple[str, ...]:
     """Registers the description's state types, then its targets, for each of `platforms` in
     turn; records each name as `owner`'s once XLA took it. Returns the targets registered."""
@@ -84,11 +92,12 @@ def _register(description: dict, owner: str, platforms: list[str]) -> tuple[str,
         steps = [("type", name, description["state_types"][name]) for name in types]
         steps += [("target", b["target"], b["stages"]) for b in bundles]
         for kind, name, registration in steps:
+            xla_platform = _XLA_PLATFORMS.get(platform, platform)
             try:
                 if kind == "type":
-                    jax.ffi.register_ffi_type(name, registration, platform=platform)
+                    jax.ffi.register_ffi_type(name, registration, platform=xla_platform)
                 else:
-                    jax.ffi.register_ffi_target(name, registration, platform=platform)
+                    jax.ffi.register_ffi_target(name, registration, platform=xla_platform)
             except Exception as e:  # XLA's own refusal: a name registered outside rmsnorm_ffi
                 what = f"state type `{name}`" if kind == "type" else f"target `{name}` (platform {platform})"
                 raise ValueError(

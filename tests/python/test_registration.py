@@ -128,3 +128,27 @@ def test_stats_has_the_contract_keys():
         assert isinstance(s[key], int), key
     assert isinstance(s["executions"], dict)
     assert s["live_states"] == s["created_states"] - s["destroyed_states"]
+
+
+def test_cuda_bundles_are_registered_under_xlas_platform_name():
+    # jax keys its registration handlers by XLA's platform names ("CUDA"); a handler registered
+    # under any other name ("cuda") waits in jax's pending list for a platform that never comes.
+    # The first run on an H200 failed that way on every call ("No FFI handler registered for
+    # rmsnorm_fwd on a platform CUDA"). Here, with the CUDA backend taken as available (this
+    # machine has none, so nothing leaves the pending list), every CUDA state type and target
+    # must wait under "CUDA".
+    code = """
+from jax._src.lib import xla_client
+from rmsnorm_ffi import _native, _registration
+assert 'cuda' in _native.platforms(), _native.platforms()
+_registration._platform_available = lambda platform: True
+assert 'cuda' in _registration.register()
+targets = {k: [n for n, *_ in v] for k, v in xla_client._custom_callback.items()}
+types = {k: [n for n, *_ in v] for k, v in xla_client._custom_type_id.items()}
+assert 'cuda' not in targets and 'cuda' not in types, (targets, types)
+assert {'rmsnorm_fwd', 'rmsnorm_bwd', 'rmsnorm_residual_fwd'} <= set(targets.get('CUDA', [])), targets
+assert any('Gpu' in name for name in types.get('CUDA', [])), types
+print('ok')
+"""
+    result = run_python(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
