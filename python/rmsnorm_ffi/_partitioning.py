@@ -102,17 +102,16 @@ def _backward_call(x, weight, rstd, dy, eps, typed: bool = True, offset: float =
     w = () if weight is None else (weight,)
     extra = () if dh is None else (dh,)
 
+    # The weight and dh travel after (x, rstd, dy), which platform_dependent takes positionally.
     def given(x, rstd, dy, *rest):
-        w, extra = rest[: len(rest) - (dh is not None)], rest[len(rest) - (dh is not None):]
-        return tuple(call(x, *w, rstd, dy, *extra, **attrs))
+        return tuple(call(x, *rest[: len(w)], rstd, dy, *rest[len(w):], **attrs))
 
     if eps is None:
         out = given(x, rstd, dy, *w, *extra)
     else:
 
         def from_x(x, rstd, dy, *rest):
-            w, extra = rest[: len(rest) - (dh is not None)], rest[len(rest) - (dh is not None):]
-            return tuple(call(x, *w, dy, *extra, eps=np.float32(eps), **attrs))
+            return tuple(call(x, *rest[: len(w)], dy, *rest[len(w):], eps=np.float32(eps), **attrs))
 
         out = jax.lax.platform_dependent(x, rstd, dy, *w, *extra, cpu=from_x, default=given)
     return (out[0], None) if weight is None else (out[0], out[1])
