@@ -17,6 +17,9 @@ timeout still returns data), each in a try block of its own:
     jnp's x + residual on the GPU and to the CPU bundle's h, y bitwise equal to the plain forward
     at h, y against float64, over the dtypes, weight kinds and the cached, scalar and streaming
     paths; its gradient against jnp's.
+ 3b. variants: every x dtype with every weight dtype, with and without scale_offset, against
+    float64 and the CPU bundle; the fused residual's gradient (dh added before dx's one
+    rounding) against float64.
  4. initialize: stats() says each GPU state's resources were loaded in the initialize stage.
  5. graphs: a step of 6+ ops around the norms under XLA command buffers (custom calls included)
     in a child process: the first execution is captured, later ones replay (the handler runs
@@ -401,6 +404,71 @@ def residual():
     return not bad, f"{checks} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
 
 
+@section("variants", needs=25)
+def variants():
+    """Issue 31's variants on the device: every x dtype with every weight dtype (16 pairs), with
+    and without scale_offset, forward and backward against float64 and the CPU bundle; and the
+    fused residual's gradient (dh added before dx's one rounding) against float64."""
+    dev, cpu = gpu(), jax.devices("cpu")[0]
+    rng = np.random.default_rng(11)
+    bad, checks = [], 0
+    floats = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+    shapes = [(7, 1003), (64, 4096)] if not OPTS.quick else [(7, 1003)]
+    for dt in floats:
+        tol = TOL[jnp.dtype(dt).name]
+        for wdt in floats:
+            for offset in (0.0, 1.0):
+                for shape in shapes:
+                    xh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
+                    dyh = np.asarray(jnp.asarray(rng.standard_normal(shape), dt))
+                    wh = np.asarray(jnp.asarray(rng.standard_normal(shape[-1]) * 0.3, wdt))
+                    w64 = np.asarray(jnp.asarray(wh).astype(jnp.float64))
+                    y, _, dx, dw = ref_np(xh, offset + w64, dyh)
+                    res = {}
+                    for where, d in (("gpu", dev), ("cpu", cpu)):
+                        x, dy, w = on(d, xh), on(d, dyh), on(d, wh)
+                        gy, gr = jax.jit(lambda x, w: rmsnorm_ffi.rms_norm_fwd(x, w, scale_offset=offset))(x, w)
+                        gdx, gdw = jax.jit(lambda *a: rmsnorm_ffi.rms_norm_bwd(*a, scale_offset=offset))(x, w, gr, dy)
+                        res[where] = (gy, gdx, gdw)
+                    gy, gdx, gdw = res["gpu"]
+                    tag = f"{jnp.dtype(dt).name} w{jnp.dtype(wdt).name} off={offset} {shape}"
+                    wtol = 4 * max(tol, TOL[jnp.dtype(wdt).name]) * np.sqrt(shape[0])
+                    for what, got, want, t in (("y", gy, y, tol), ("dx", gdx, dx, 4 * tol), ("dw", gdw, dw, wtol),
+                                               ("y~cpu", gy, res["cpu"][0], 2 * tol),
+                                               ("dx~cpu", gdx, res["cpu"][1], 8 * tol)):
+                        checks += 1
+                        e = err(got, want)
+                        if not e <= t:
+                            bad.append(f"{what} {tag}: {e:.2e} > {t:.0e}")
+    # The fused residual's gradient: dx = the norm's gradient + dh, rounded once.
+    for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        name = jnp.dtype(dt).name
+        shape = (71, 229) if OPTS.quick else (512, 3072)
+        xh, rh, cyh, chh = (np.asarray(jnp.asarray(rng.standard_normal(shape), dt)) for _ in range(4))
+        wh = np.asarray(jnp.asarray(rng.standard_normal(shape[-1]) * 0.3, dt))
+        f = lambda x, r, w: rmsnorm_ffi.rms_norm_residual(x, r, w, scale_offset=1.0)  # noqa: E731
+        (gy, gh), vjp = jax.vjp(f, on(dev, xh), on(dev, rh), on(dev, wh))
+        gdx, gdr, _ = jax.jit(vjp)((on(dev, cyh), on(dev, chh)))
+        h64 = np.asarray(jnp.asarray(gh).astype(jnp.float64))
+        w64 = 1.0 + np.asarray(jnp.asarray(wh).astype(jnp.float64))
+        _, r64, ndx, _ = ref_np(h64, w64, cyh.astype(np.float64))
+        want = ndx + chh.astype(np.float64)
+        # One rounding of x's dtype (at most half an ulp: 2**-8 of the value for bfloat16, 2**-11
+        # for float16, 2**-24 for float32) plus float32's error of the terms, which for the
+        # norm's gradient is relative to its uncancelled term r * g (the row's largest).
+        ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}[name]
+        rg = np.abs(r64[..., None] * cyh.astype(np.float64) * w64).max(-1, keepdims=True)
+        terms = rg + np.abs(chh.astype(np.float64))
+        e = float(np.max(np.abs(np.asarray(jnp.asarray(gdx).astype(jnp.float64)) - want) / (ulp * np.abs(want) + terms * 2.0**-19 + 1e-30)))
+        checks += 2
+        if not e <= 1.0:
+            bad.append(f"residual dx {name}: {e:.2f} of the one-rounding bound")
+        if not np.array_equal(np.asarray(gdx).view(np.uint8), np.asarray(gdr).view(np.uint8)):
+            bad.append(f"residual dx != dresidual {name}")
+    record("variants", checks=checks, failures=bad[:50])
+    return not bad, f"{checks} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
+
+
 @section("initialize", needs=5)
 def initialize_ran():
     details = [s.get("details", {}) for s in rmsnorm_ffi.stats()["states"]
@@ -645,7 +713,7 @@ def sanitizer():
         if left() < 30:
             results[check] = "skipped (time)"
             continue
-        prefix = [tool, "--tool", check, "--error-exitcode", "99", "--kernel-name", "regex:rmsnorm"]
+        prefix = [tool, "--tool", check, "--error-exitcode", "99", "--kernel-name", "kns=rmsnorm"]
         try:
             rc, log = run_child("sanitize", timeout=min(100, left() - 10), prefix=prefix)
             results[check] = "clean" if rc == 0 else f"rc {rc}"
