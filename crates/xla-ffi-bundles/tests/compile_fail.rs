@@ -7,7 +7,8 @@
 //! `on_unimplemented` message for the signature, "no method named `as_slice`" for the body);
 //! the reference case, identical but for those lines, must compile and run. The expected
 //! output is the current stable compiler's: after a toolchain change that only rewords it,
-//! regenerate with `TRYBUILD=overwrite cargo test --test compile_fail` and review the diff.
+//! regenerate with `TRYBUILD=overwrite cargo test -p xla-ffi-bundles --test compile_fail` and
+//! review the diff.
 
 #[test]
 fn device_bundles_get_addresses_and_no_host_slices() {
