@@ -121,11 +121,12 @@ impl CpuAccum for f64 {
     }
 }
 
-/// `offset + w` in `A` for the call's weight `w` (all its rows), in a buffer of the pool.
-fn offset_weight_rows<'p, W: Element, A: CpuAccum>(
+/// The call's weight `w` (all its rows) in `A`, plus `offset` where there is one, in a buffer
+/// of the pool: what the kernels read for a scale offset or a weight they are not built for.
+fn weight_rows<'p, W: Element, A: CpuAccum>(
     pools: &'p OffsetWeights,
     w: &[W],
-    offset: f32,
+    offset: Option<f32>,
 ) -> FfiResult<xla_ffi_bundles::state::Workspace<'p, A>> {
     let pool =
         A::offset_pool(pools).get_or_init(|| WorkspacePool::new(w.len(), OFFSET_POOL_CAPACITY));
@@ -137,50 +138,56 @@ fn offset_weight_rows<'p, W: Element, A: CpuAccum>(
         )));
     }
     let mut rows = pool.checkout();
-    offset_weights(w, <A as Accum>::from_f32(offset), &mut rows);
+    match offset {
+        Some(offset) => offset_weights(w, <A as Accum>::from_f32(offset), &mut rows),
+        // No `0 + w`: that would turn a weight of -0.0 into +0.0.
+        None => rows.iter_mut().zip(w).for_each(|(o, &v)| *o = A::load(v)),
+    }
     Ok(rows)
 }
 
-/// Runs `$body` with the Rust types of a contract pair as `T` (x), `W` (the weight) and `A`
-/// (the accumulation dtype): one arm per pair, exhaustive over [`Float`], so a dtype added to
-/// the contract does not compile until it has a kernel here.
+/// Runs `$body` with the Rust types of a contract pair as `T` (x), `W` (the weight), `K` (the
+/// weight the kernels read) and `A` (the accumulation dtype): one arm per pair, exhaustive, so a
+/// dtype added to the contract does not compile until it has a line here.
+///
+/// The kernels are built for a weight of x's dtype or of the accumulation dtype (`K`): six
+/// (x, weight) instances, not sixteen. Any other weight is converted to `A` once per call into a
+/// pooled row (`weight_rows`), as a scale offset is: the values every kernel would take from
+/// `A::load` of each element, so the same bits, for a pass over the weight's n elements. All
+/// sixteen in the kernels took 2.3x the compile time of every build of this crate (the debug
+/// tests, the release extension, AddressSanitizer's), about 25 minutes of `make test` on 2
+/// cores.
 macro_rules! with_pair_types {
-    ($pair:expr, |$t:ident, $w:ident, $a:ident| $body:expr) => {
-        match $pair.x {
-            Float::F32 => with_pair_types!(@weight $pair, f32, f32, |$t, $w, $a| $body),
-            Float::F64 => with_pair_types!(@weight $pair, f64, f64, |$t, $w, $a| $body),
-            Float::BF16 => with_pair_types!(@weight $pair, bf16, f32, |$t, $w, $a| $body),
-            Float::F16 => with_pair_types!(@weight $pair, f16, f32, |$t, $w, $a| $body),
+    ($pair:expr, |$t:ident, $w:ident, $k:ident, $a:ident| $body:expr) => {{
+        macro_rules! bind {
+            ($x:ty, $wt:ty, $kt:ty, $acc:ty) => {{
+                type $t = $x;
+                type $w = $wt;
+                type $k = $kt;
+                type $a = $acc;
+                $body
+            }};
         }
-    };
-    (@weight $pair:expr, $x:ty, $acc:ty, |$t:ident, $w:ident, $a:ident| $body:expr) => {
-        match $pair.weight {
-            Float::F32 => {
-                type $t = $x;
-                type $w = f32;
-                type $a = $acc;
-                $body
-            }
-            Float::F64 => {
-                type $t = $x;
-                type $w = f64;
-                type $a = $acc;
-                $body
-            }
-            Float::BF16 => {
-                type $t = $x;
-                type $w = bf16;
-                type $a = $acc;
-                $body
-            }
-            Float::F16 => {
-                type $t = $x;
-                type $w = f16;
-                type $a = $acc;
-                $body
-            }
+        match ($pair.x, $pair.weight) {
+            //                          x     weight  kernels' accumulation
+            (Float::F32, Float::F32) => bind!(f32, f32, f32, f32),
+            (Float::F32, Float::F64) => bind!(f32, f64, f32, f32),
+            (Float::F32, Float::BF16) => bind!(f32, bf16, f32, f32),
+            (Float::F32, Float::F16) => bind!(f32, f16, f32, f32),
+            (Float::F64, Float::F64) => bind!(f64, f64, f64, f64),
+            (Float::F64, Float::F32) => bind!(f64, f32, f64, f64),
+            (Float::F64, Float::BF16) => bind!(f64, bf16, f64, f64),
+            (Float::F64, Float::F16) => bind!(f64, f16, f64, f64),
+            (Float::BF16, Float::BF16) => bind!(bf16, bf16, bf16, f32),
+            (Float::BF16, Float::F32) => bind!(bf16, f32, f32, f32),
+            (Float::BF16, Float::F64) => bind!(bf16, f64, f32, f32),
+            (Float::BF16, Float::F16) => bind!(bf16, f16, f32, f32),
+            (Float::F16, Float::F16) => bind!(f16, f16, f16, f32),
+            (Float::F16, Float::F32) => bind!(f16, f32, f32, f32),
+            (Float::F16, Float::F64) => bind!(f16, f64, f32, f32),
+            (Float::F16, Float::BF16) => bind!(f16, bf16, f32, f32),
         }
-    };
+    }};
 }
 xla_ffi_bundles::state_type!(BackwardState, "rmsnorm_ffi.RmsNormBackwardState");
 
@@ -376,7 +383,7 @@ fn forward_dispatch(
         layout,
     } = ops;
     let call = ForwardCall { state, ctx, layout };
-    with_pair_types!(pair, |T, W, A| call.typed::<T, W, A>(x, w, y, rstd, res))
+    with_pair_types!(pair, |T, W, K, A| call.typed::<T, W, K, A>(x, w, y, rstd, res))
 }
 
 /// The forward pass over one chunk's `rstd.len()` consecutive rows of `n`, in the loops that
@@ -446,9 +453,10 @@ struct ForwardCall<'s, 'c, 'a> {
 }
 
 impl ForwardCall<'_, '_, '_> {
-    /// The call's buffers as slices of its pair's types; with a scale offset, the weight
-    /// converted to `offset + w` in `A` first (the kernels then read it as an `A` weight).
-    fn typed<T: Element, W: Element, A: CpuAccum>(
+    /// The call's buffers as slices of its pair's types; with a scale offset, or a weight the
+    /// kernels are not built for (`K` is not `W`), the weight converted to `offset + w` or `w`
+    /// in `A` first (the kernels then read it as an `A` weight).
+    fn typed<T: Element, W: Element, K: Element, A: CpuAccum>(
         &self,
         x: AnyBuffer<'_>,
         w: Option<AnyBuffer<'_>>,
@@ -457,19 +465,24 @@ impl ForwardCall<'_, '_, '_> {
         res: Residual<'_, '_>,
     ) -> FfiResult<()> {
         let x = x.as_slice::<T>()?;
-        let w = w.map(|w| w.as_slice::<W>()).transpose()?;
         let y = y.into_mut_slice::<T>()?;
         let rstd = rstd.into_mut_slice::<A>()?;
         let res = match res {
             Some((r, h)) => Some((r.as_slice::<T>()?, h.into_mut_slice::<T>()?)),
             None => None,
         };
-        match (w, self.state.offset) {
-            (Some(w), Some(offset)) => {
-                let rows = offset_weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
+        let offset = self.state.offset;
+        match w {
+            Some(w) if offset.is_some() || !same_type::<W, K>() => {
+                let w = w.as_slice::<W>()?;
+                let rows = weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
                 self.run::<T, A, A>(x, Some(&rows), y, rstd, res)
             }
-            (w, _) => self.run::<T, W, A>(x, w, y, rstd, res),
+            // No weight, or one of K's dtype.
+            w => {
+                let w = w.map(|w| w.as_slice::<K>()).transpose()?;
+                self.run::<T, K, A>(x, w, y, rstd, res)
+            }
         }
     }
 
@@ -561,8 +574,14 @@ impl Execute for Backward {
             layout: ops.layout,
         };
         let pair: DtypePair = ops.pair;
-        with_pair_types!(pair, |T, W, A| call.typed::<T, W, A>(ops))
+        with_pair_types!(pair, |T, W, K, A| call.typed::<T, W, K, A>(ops))
     }
+}
+
+/// Whether `T` and `U` are one type: x's dtype and its accumulation dtype (float32, float64:
+/// the kernels' dx is then the unrounded gradient), a weight's and the kernels' weight.
+fn same_type<T: 'static, U: 'static>() -> bool {
+    std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()
 }
 
 /// The read-only operands of a backward call, sliced row range by row range.
@@ -580,7 +599,100 @@ struct BackwardInputs<'a, T, W, A> {
     kernel: Kernel,
 }
 
-impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
+/// Elements of a half-precision backward with dh widened at a time (on the stack, three arrays
+/// in the accumulation dtype: 24 KB for float32): rows up to this long go through the
+/// accumulation dtype's kernels (see [`BackwardInputs::widened`]), longer ones row by row.
+const WIDE_BLOCK: usize = 2048;
+
+impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
+    /// Rows `first..` (as many as `dx_rows` holds) on `kernel`, with dh added to dx where the
+    /// call has it, rounded once.
+    #[inline(always)]
+    fn run_rows(&self, kernel: Kernel, first: usize, dx_rows: &mut [T], acc: Option<&mut [A::Wide]>) {
+        match self.dh {
+            Some(dh) if !same_type::<T, A>() && self.n <= WIDE_BLOCK => {
+                self.widened(kernel, dh, first, dx_rows, acc)
+            }
+            _ => kernel.run(
+                #[inline(always)]
+                || self.rows_from(first, dx_rows, acc),
+            ),
+        }
+    }
+
+    /// Half precision with dh: blocks of rows widened to `A` on the stack and run through the
+    /// kernels of an `A` x (whose dx is the unrounded norm gradient), then dx = round(that +
+    /// dh), one rounding. Row by row (`math::backward_row_adding`) took 1.4-1.6x the time of
+    /// the plain backward and a separate add at rows of 64-128. The `A` kernels run in their
+    /// own frame (`run_rows` of `A`, the instance an `A` x uses): inlined beside this x's they
+    /// would double an unoptimized build's frame, past a test thread's 2 MiB stack.
+    #[inline(never)]
+    fn widened(
+        &self,
+        kernel: Kernel,
+        dh: &[T],
+        first: usize,
+        dx_rows: &mut [T],
+        mut acc: Option<&mut [A::Wide]>,
+    ) {
+        let n = self.n;
+        if n == 0 {
+            return;
+        }
+        // Even blocks where they can be: the kernels take rows two at a time.
+        let per_block = match WIDE_BLOCK / n {
+            0 | 1 => 1,
+            rows => rows & !1,
+        };
+        let mut x = [A::ZERO; WIDE_BLOCK];
+        let mut dy = [A::ZERO; WIDE_BLOCK];
+        let mut dx = [A::ZERO; WIDE_BLOCK];
+        let count = dx_rows.len() / n;
+        let mut done = 0;
+        while done < count {
+            let row = first + done;
+            // A block stays within one weight row's group.
+            let in_group = self.rows_per_group - row % self.rows_per_group;
+            let rows = per_block.min(count - done).min(in_group);
+            let (len, span) = (rows * n, row * n..(row + rows) * n);
+            // The conversions in `kernel.run` too, where they vectorize (outside it, scalar
+            // conversions were 14% of a bfloat16 16384x128 backward's profile).
+            kernel.run(
+                #[inline(always)]
+                || {
+                    for (o, &v) in x[..len].iter_mut().zip(&self.x[span.clone()]) {
+                        *o = A::load(v);
+                    }
+                    for (o, &v) in dy[..len].iter_mut().zip(&self.dy[span.clone()]) {
+                        *o = A::load(v);
+                    }
+                },
+            );
+            let group = row / self.rows_per_group;
+            let wide = BackwardInputs::<A, W, A> {
+                x: &x[..len],
+                dy: &dy[..len],
+                rstd: self.rstd.from_row(row),
+                w: self.w.map(|w| &w[group * n..][..n]),
+                dh: None,
+                n,
+                rows_per_group: rows,
+                kernel: self.kernel,
+            };
+            wide.run_rows(kernel, 0, &mut dx[..len], acc.as_deref_mut());
+            let out = &mut dx_rows[done * n..][..len];
+            kernel.run(
+                #[inline(always)]
+                || {
+                    for ((o, &g), &h) in out.iter_mut().zip(&dx[..len]).zip(&dh[span]) {
+                        *o = (g + A::load(h)).store();
+                    }
+                },
+            );
+            done += rows;
+        }
+    }
+
     /// Rows `first..` (as many as `dx_rows` holds), with dh added to dx where the call has it.
     #[inline(always)]
     fn rows_from(&self, first: usize, dx_rows: &mut [T], mut acc: Option<&mut [A::Wide]>) {
@@ -599,10 +711,10 @@ impl<T: Element, W: Element, A: Accum> BackwardInputs<'_, T, W, A> {
         // so adding dh to it afterwards (from cache) rounds once, the bits of
         // `math::backward_row_adding` at the kernels' speed. (The kernels are inlined here
         // once: twice made the debug build's frame overflow a test thread's stack.)
-        let accumulation_dtype = std::any::TypeId::of::<T>() == std::any::TypeId::of::<A>();
         match self.dh {
-            Some(dh) if !accumulation_dtype => {
-                // Half precision: row by row, dx rounded once after dh is added.
+            Some(dh) if !same_type::<T, A>() => {
+                // Half precision, rows longer than WIDE_BLOCK (`run_rows` widens shorter
+                // ones): row by row, dx rounded once after dh is added.
                 for (i, dx) in dx_rows.chunks_exact_mut(n).enumerate() {
                     let row = (first + i) * n..(first + i + 1) * n;
                     backward_row_adding::<T, W, A>(
@@ -678,12 +790,12 @@ struct BackwardSlices<'a, T, W, A, D> {
 
 impl BackwardCall<'_, '_, '_> {
     /// The call's buffers as slices of its pair's types, the weight converted to
-    /// `offset + w` in `A` for a scale offset (the gradient is still `w`'s, in `W`).
-    fn typed<T: Element, W: Element, A: CpuAccum>(
+    /// `offset + w` or `w` in `A` for a scale offset or a weight the kernels are not built for
+    /// (as the forward's); the gradient is still `w`'s, in `W`.
+    fn typed<T: Element, W: Element, K: Element, A: CpuAccum>(
         &self,
         ops: BackwardOperands<'_, '_, Host>,
     ) -> FfiResult<()> {
-        let w = ops.w.map(|w| w.as_slice::<W>()).transpose()?;
         let rstd = match (ops.rstd, self.state.eps) {
             (Some(rstd), _) => Rstd::Given(rstd.as_slice::<A>()?),
             (None, Some(eps)) => Rstd::FromX(<A as Accum>::from_f32(eps)),
@@ -693,11 +805,13 @@ impl BackwardCall<'_, '_, '_> {
         let dy = ops.dy.as_slice::<T>()?;
         let dh = ops.dh.map(|dh| dh.as_slice::<T>()).transpose()?;
         let dx = ops.dx.into_mut_slice::<T>()?;
-        let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
         let partials = A::partials(self.state);
-        match (w, self.state.offset) {
-            (Some(w), Some(offset)) => {
-                let rows = offset_weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
+        let offset = self.state.offset;
+        match ops.w {
+            Some(w) if offset.is_some() || !same_type::<W, K>() => {
+                let w = w.as_slice::<W>()?;
+                let rows = weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
+                let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
                 let w = Some(&rows[..]);
                 let slices = BackwardSlices {
                     x,
@@ -710,7 +824,10 @@ impl BackwardCall<'_, '_, '_> {
                 };
                 self.run::<T, A, A, W>(slices, partials)
             }
-            (w, _) => {
+            // No weight, or one of K's dtype (its gradient too).
+            w => {
+                let w = w.map(|w| w.as_slice::<K>()).transpose()?;
+                let dw = ops.dw.map(|dw| dw.into_mut_slice::<K>()).transpose()?;
                 let slices = BackwardSlices {
                     x,
                     w,
@@ -720,12 +837,12 @@ impl BackwardCall<'_, '_, '_> {
                     dx,
                     dw,
                 };
-                self.run::<T, W, A, W>(slices, partials)
+                self.run::<T, K, A, K>(slices, partials)
             }
         }
     }
 
-    fn run<T: Element, W: Element, A: Accum, D: Element>(
+    fn run<T: Element, W: Element, A: CpuAccum, D: Element>(
         &self,
         slices: BackwardSlices<'_, T, W, A, D>,
         partials: &WorkspacePool<A::Wide>,
@@ -764,13 +881,7 @@ impl BackwardCall<'_, '_, '_> {
             let dx_chunks = DisjointChunks::new(dx, &plan.scaled(n)[..plan.count() + 1])?;
             let body = |c: usize| {
                 let Some(dx) = dx_chunks.take(c) else { return };
-                let first = plan.start(c);
-                kernel.run(
-                    #[inline(always)]
-                    || {
-                        inputs.rows_from(first, dx, None);
-                    },
-                )
+                inputs.run_rows(kernel, plan.start(c), dx, None);
             };
             return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
         };
@@ -804,23 +915,18 @@ impl BackwardCall<'_, '_, '_> {
                     return;
                 };
                 let first_group = plan.start(c);
-                kernel.run(
-                    #[inline(always)]
-                    || {
-                        for (gi, (dx_group, dw_row)) in dx
-                            .chunks_exact_mut(per_group * n)
-                            .zip(dw.chunks_exact_mut(n))
-                            .enumerate()
-                        {
-                            acc.fill(A::Wide::default());
-                            let first_row = (first_group + gi) * per_group;
-                            inputs.rows_from(first_row, dx_group, Some(&mut *acc));
-                            for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                                *o = D::from_f64(a.value());
-                            }
-                        }
-                    },
-                )
+                for (gi, (dx_group, dw_row)) in dx
+                    .chunks_exact_mut(per_group * n)
+                    .zip(dw.chunks_exact_mut(n))
+                    .enumerate()
+                {
+                    acc.fill(A::Wide::default());
+                    let first_row = (first_group + gi) * per_group;
+                    inputs.run_rows(kernel, first_row, dx_group, Some(&mut *acc));
+                    for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
+                        *o = D::from_f64(a.value());
+                    }
+                }
             };
             return self.state.jobs.run(self.ctx, plan.count(), workers, &body);
         }
@@ -836,14 +942,8 @@ impl BackwardCall<'_, '_, '_> {
                 let (Some(dx), Some(acc)) = (dx_chunks.take(c), acc_chunks.take(c)) else {
                     return;
                 };
-                let first = plan.start(c);
-                kernel.run(
-                    #[inline(always)]
-                    || {
-                        acc.fill(A::Wide::default());
-                        inputs.rows_from(first, dx, Some(&mut *acc));
-                    },
-                )
+                acc.fill(A::Wide::default());
+                inputs.run_rows(kernel, plan.start(c), dx, Some(acc));
             };
             self.state.jobs.run(self.ctx, chunks, workers, &body)?;
         }

@@ -290,7 +290,7 @@ fn check_against_reference<T: Element + NativeType, W: Element + NativeType>(dim
 fn every_pair_of_the_contract_matches_a_float64_reference() {
     for dims in [&[3, 5][..], &[300, 64], &[2, 3, 129], &[1], &[4, 1]] {
         for pair in DtypePair::ALL {
-            with_pair_types!(pair, |T, W, _A| check_against_reference::<T, W>(dims));
+            with_pair_types!(pair, |T, W, _K, _A| check_against_reference::<T, W>(dims));
         }
     }
 }
