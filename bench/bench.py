@@ -123,9 +123,11 @@ def variants(dtype):
         def f(x, r, w):
             return rms_norm_residual(x, r, w) if fused else (rms_norm(x + r, w), x + r)
 
+        # The outputs are returned too, as a training step's next layer reads them: otherwise
+        # XLA drops the unfused norm's forward (its backward takes eps), not the fused one's (h).
         def run(x, w, dy):
-            _, pullback = jax.vjp(f, x, dy, w)
-            return pullback((dy, dy))
+            out, pullback = jax.vjp(f, x, dy, w)
+            return out, pullback((dy, dy))
 
         return jax.jit(run)
 
