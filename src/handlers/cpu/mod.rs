@@ -383,7 +383,8 @@ fn forward_dispatch(
         layout,
     } = ops;
     let call = ForwardCall { state, ctx, layout };
-    with_pair_types!(pair, |T, W, K, A| call.typed::<T, W, K, A>(x, w, y, rstd, res))
+    with_pair_types!(pair, |T, W, K, A| call
+        .typed::<T, W, K, A>(x, w, y, rstd, res))
 }
 
 /// The forward pass over one chunk's `rstd.len()` consecutive rows of `n`, in the loops that
@@ -608,7 +609,13 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
     /// Rows `first..` (as many as `dx_rows` holds) on `kernel`, with dh added to dx where the
     /// call has it, rounded once.
     #[inline(always)]
-    fn run_rows(&self, kernel: Kernel, first: usize, dx_rows: &mut [T], acc: Option<&mut [A::Wide]>) {
+    fn run_rows(
+        &self,
+        kernel: Kernel,
+        first: usize,
+        dx_rows: &mut [T],
+        acc: Option<&mut [A::Wide]>,
+    ) {
         match self.dh {
             Some(dh) if !same_type::<T, A>() && self.n <= WIDE_BLOCK => {
                 self.widened(kernel, dh, first, dx_rows, acc)
@@ -788,6 +795,28 @@ struct BackwardSlices<'a, T, W, A, D> {
     dw: Option<&'a mut [D]>,
 }
 
+impl<'a, T, W, A, D> BackwardSlices<'a, T, W, A, D> {
+    fn new(
+        x: &'a [T],
+        w: Option<&'a [W]>,
+        rstd: Rstd<'a, A>,
+        dy: &'a [T],
+        dh: Option<&'a [T]>,
+        dx: &'a mut [T],
+        dw: Option<&'a mut [D]>,
+    ) -> Self {
+        BackwardSlices {
+            x,
+            w,
+            rstd,
+            dy,
+            dh,
+            dx,
+            dw,
+        }
+    }
+}
+
 impl BackwardCall<'_, '_, '_> {
     /// The call's buffers as slices of its pair's types, the weight converted to
     /// `offset + w` or `w` in `A` for a scale offset or a weight the kernels are not built for
@@ -812,31 +841,14 @@ impl BackwardCall<'_, '_, '_> {
                 let w = w.as_slice::<W>()?;
                 let rows = weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
                 let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
-                let w = Some(&rows[..]);
-                let slices = BackwardSlices {
-                    x,
-                    w,
-                    rstd,
-                    dy,
-                    dh,
-                    dx,
-                    dw,
-                };
+                let slices = BackwardSlices::new(x, Some(&rows[..]), rstd, dy, dh, dx, dw);
                 self.run::<T, A, A, W>(slices, partials)
             }
             // No weight, or one of K's dtype (its gradient too).
             w => {
                 let w = w.map(|w| w.as_slice::<K>()).transpose()?;
                 let dw = ops.dw.map(|dw| dw.into_mut_slice::<K>()).transpose()?;
-                let slices = BackwardSlices {
-                    x,
-                    w,
-                    rstd,
-                    dy,
-                    dh,
-                    dx,
-                    dw,
-                };
+                let slices = BackwardSlices::new(x, w, rstd, dy, dh, dx, dw);
                 self.run::<T, K, A, K>(slices, partials)
             }
         }
