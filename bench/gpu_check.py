@@ -39,8 +39,11 @@ timeout still returns data), each in a try block of its own:
     distinct buffers, k chosen so that k buffers exceed 4x the L2 (read off the device), so
     small shapes are not timed from cache, then 2k calls on 2k buffers: the difference over k
     is the time per call, without the executable's dispatch and sync (dy and the residual are
-    the next buffer of the rotation). bfloat16 first; stops early to leave the last
-    minute to:
+    the next buffer of the rotation). bfloat16 first; stops early to leave 200 s to:
+ 9b. profile: Nsight Compute (if ncu is there) on one forward each of ours and jnp's at
+    16384x4096, bfloat16 and float32 (speed of light, memory, occupancy, warp states): the
+    report in $OUT/ncu.txt, for what the traffic model missed on the first H200 run (a diagnosis:
+    never a failure);
 10. sanitizer: compute-sanitizer memcheck, racecheck and synccheck on a small sweep in child
     processes (kernels compiled with -lineinfo), if compute-sanitizer is on PATH or in
     /usr/local/cuda/bin.
@@ -63,7 +66,7 @@ from pathlib import Path
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--budget", type=float, default=290.0, help="seconds for the whole run")
 ARGS.add_argument("--quick", action="store_true", help="fewer shapes everywhere")
-ARGS.add_argument("--child", choices=["graphs", "nographs", "sanitize"], help=argparse.SUPPRESS)
+ARGS.add_argument("--child", choices=["graphs", "nographs", "sanitize", "profile"], help=argparse.SUPPRESS)
 ARGS.add_argument("--child-out", help=argparse.SUPPRESS)
 OPTS = ARGS.parse_args()
 
@@ -74,7 +77,7 @@ if OPTS.child == "graphs":
     )
 if OPTS.child == "nographs":
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-if OPTS.child == "sanitize":
+if OPTS.child in ("sanitize", "profile"):
     os.environ["RMSNORM_FFI_NVRTC_LINEINFO"] = "1"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -242,6 +245,26 @@ if OPTS.child in ("graphs", "nographs"):
     sys.exit(0)
 if OPTS.child == "sanitize":
     child_sanitize()
+    sys.exit(0)
+
+
+def child_profile() -> None:
+    """One forward each of ours and jnp's, bfloat16 then float32, at 16384x4096: the kernels
+    Nsight Compute profiles (the first H200 run left the bfloat16 forward at 54-81% of a copy
+    where the traffic model said ~100%, and jnp ahead of it)."""
+    dev = gpu()
+    for dt in (jnp.bfloat16, jnp.float32):
+        x = jax.jit(lambda k: jax.random.normal(k, (16384, 4096), dt))(jax.random.key(0))  # on the GPU
+        w = on(dev, jnp.ones((4096,), dt))
+        ours = jax.jit(lambda x, w: rmsnorm_ffi.rms_norm_fwd(x, w)[0])
+        ref = jax.jit(rmsnorm_ffi.rms_norm_reference)
+        for f in (ours, ref):
+            jax.block_until_ready(f(x, w))
+    print("profile child done", flush=True)
+
+
+if OPTS.child == "profile":
+    child_profile()
     sys.exit(0)
 
 
@@ -656,7 +679,7 @@ def bandwidth():
     for dt in (jnp.bfloat16, jnp.float32):
         for M in Ms:
             for N in Ns:
-                if left() < 60:  # the last minute is the sanitizer's
+                if left() < 200:  # the rest is the profile's and the sanitizer's
                     record("bandwidth", stopped="time")
                     return True, f"{len(TABLE)} shapes (stopped for time)"
                 nbytes = M * N * jnp.dtype(dt).itemsize
@@ -717,6 +740,28 @@ def bandwidth():
                 TABLE.append(row)
                 del xs, rs, nxt, ones, pairs, jobs
     return True, f"{len(TABLE)} shapes timed"
+
+
+@section("profile", needs=150)
+def profile():
+    """Nsight Compute on the profile child (if ncu is there): its report in $OUT/ncu.txt. A
+    diagnosis for the traffic model, not a check: a profiler that cannot read the counters here
+    is reported, not failed."""
+    tool = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    if not os.path.exists(tool):
+        record("profile", status="absent")
+        return True, "ncu not found: not run"
+    log = OUT / "ncu.txt"
+    prefix = [tool, "--target-processes", "all", "--launch-count", "24", "--section", "SpeedOfLight",
+              "--section", "MemoryWorkloadAnalysis", "--section", "Occupancy", "--section",
+              "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
+              "--log-file", str(log)]
+    try:
+        rc, out = run_child("profile", timeout=min(120, left() - 100), prefix=prefix)
+    except subprocess.TimeoutExpired:
+        return True, "ncu: timeout (not a failure)"
+    record("profile", rc=rc, log=out[-3000:])
+    return True, f"ncu rc {rc}, report in {log.name}" + ("" if rc == 0 else " (not a failure)")
 
 
 @section("sanitizer", needs=90)
