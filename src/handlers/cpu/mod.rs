@@ -784,7 +784,8 @@ struct BackwardCall<'s, 'c, 'a> {
 }
 
 /// The typed operands of a backward call: the weight read as `W`, its gradient written as `D`
-/// (the same type, but for a scale offset, where the weight read is `offset + w` in `A`).
+/// (the same type, but where the weight was converted: `offset + w` or `w` in `A`, for a scale
+/// offset or a weight the kernels are not built for).
 struct BackwardSlices<'a, T, W, A, D> {
     x: &'a [T],
     w: Option<&'a [W]>,
