@@ -891,24 +891,35 @@ fn forward_backward<T: Element + NativeType, W: Element + NativeType>(
 
 /// A scale offset is the plain op with the weight `offset + w` taken in the accumulation dtype
 /// (handed over as a weight of that dtype): the same bits of y, rstd and dx, and dweight that
-/// one rounded to w's dtype.
-fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>(dims: &[i64]) {
+/// one rounded to w's dtype. At offset 0, `w` itself in the accumulation dtype (a weight the
+/// kernels convert); dweight then only where w's dtype is no wider than that (a float64
+/// gradient of float32 x is summed wider than the float32 call's result holds).
+fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>(
+    dims: &[i64],
+    offset: f32,
+) {
     let n = *dims.last().unwrap() as usize;
     let w: Vec<W> = values(n, 9)
         .into_iter()
         .map(|v| W::from_f32(v * 0.1))
         .collect();
-    let with_offset = forward_backward::<T, W>(dims, &w, 1.0, None);
-    let what = format!("{} x, {} weight, {dims:?}", T::DTYPE, W::DTYPE);
+    let with_offset = forward_backward::<T, W>(dims, &w, offset, None);
+    let what = format!(
+        "{} x, {} weight, offset {offset}, {dims:?}",
+        T::DTYPE,
+        W::DTYPE
+    );
     let check = |shifted: [OwnedBuffer; 4], acc_bits: fn(&OwnedBuffer) -> Vec<u64>| {
         for k in 0..3 {
             assert_eq!(with_offset[k].data, shifted[k].data, "result {k}, {what}");
         }
-        let dw: Vec<u64> = acc_bits(&shifted[3]);
-        assert_eq!(bits(&with_offset[3].values::<W>()), dw, "dw, {what}");
+        if W::DTYPE != DataType::F64 || T::DTYPE == DataType::F64 {
+            let dw: Vec<u64> = acc_bits(&shifted[3]);
+            assert_eq!(bits(&with_offset[3].values::<W>()), dw, "dw, {what}");
+        }
     };
     if T::DTYPE == DataType::F64 {
-        let shifted: Vec<f64> = w.iter().map(|&v| 1.0 + v.to_f64()).collect();
+        let shifted: Vec<f64> = w.iter().map(|&v| offset as f64 + v.to_f64()).collect();
         check(forward_backward::<T, f64>(dims, &shifted, 0.0, None), |b| {
             bits(
                 &b.values::<f64>()
@@ -918,7 +929,7 @@ fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>
             )
         });
     } else {
-        let shifted: Vec<f32> = w.iter().map(|&v| 1.0 + v.to_f32()).collect();
+        let shifted: Vec<f32> = w.iter().map(|&v| offset + v.to_f32()).collect();
         check(forward_backward::<T, f32>(dims, &shifted, 0.0, None), |b| {
             bits(
                 &b.values::<f32>()
@@ -933,11 +944,28 @@ fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>
 #[test]
 fn a_scale_offset_applies_offset_plus_w_in_the_accumulation_dtype() {
     for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1]] {
-        offset_is_the_offset_weight::<f32, f32>(dims);
-        offset_is_the_offset_weight::<bf16, bf16>(dims);
-        offset_is_the_offset_weight::<f16, bf16>(dims);
-        offset_is_the_offset_weight::<f32, f16>(dims);
-        offset_is_the_offset_weight::<f64, bf16>(dims);
+        offset_is_the_offset_weight::<f32, f32>(dims, 1.0);
+        offset_is_the_offset_weight::<bf16, bf16>(dims, 1.0);
+        offset_is_the_offset_weight::<f16, bf16>(dims, 1.0);
+        offset_is_the_offset_weight::<f32, f16>(dims, 1.0);
+        offset_is_the_offset_weight::<f64, bf16>(dims, 1.0);
+    }
+}
+
+/// A weight the kernels are not built for (neither x's dtype nor the accumulation dtype) is
+/// converted to the accumulation dtype once per call: every result has the bits of the call
+/// given that converted weight (the gradient rounded to the weight's dtype).
+#[test]
+fn a_weight_of_another_dtype_is_the_weight_in_the_accumulation_dtype() {
+    for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1]] {
+        offset_is_the_offset_weight::<f32, bf16>(dims, 0.0);
+        offset_is_the_offset_weight::<f32, f16>(dims, 0.0);
+        offset_is_the_offset_weight::<f32, f64>(dims, 0.0);
+        offset_is_the_offset_weight::<bf16, f64>(dims, 0.0);
+        offset_is_the_offset_weight::<bf16, f16>(dims, 0.0);
+        offset_is_the_offset_weight::<f16, bf16>(dims, 0.0);
+        offset_is_the_offset_weight::<f64, f32>(dims, 0.0);
+        offset_is_the_offset_weight::<f64, bf16>(dims, 0.0);
     }
 }
 
