@@ -337,6 +337,26 @@ def correctness():
                     e = err(got, want)
                     if not e <= t:
                         bad.append(f"{what} {tag}: {e:.2e} > {t:.0e}")
+    # Non-finite input in half precision: the bfloat16 kernels round pairs with the hardware's
+    # cvt.rn.bf16x2.f32 and fall back to the bit arithmetic for a pack holding a NaN (the CPU
+    # emulator runs only the latter). A row with a NaN or an infinity is NaN where the CPU's is,
+    # infinite where it is, and the finite rows match.
+    for dt in (jnp.bfloat16, jnp.float16):
+        xh = rng.standard_normal((6, 1024)).astype(np.float32)
+        xh[1, 5], xh[2, 7], xh[3, 9] = np.nan, np.inf, -np.inf
+        xh[4] *= 1e30 if dt == jnp.bfloat16 else 1e4  # bfloat16: squares overflow float32
+        xh = np.asarray(jnp.asarray(xh, dt))
+        wh = np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, 1024), dt))
+        ys = {}
+        for where, d in (("gpu", dev), ("cpu", cpu)):
+            ys[where] = np.asarray(jax.jit(rmsnorm_ffi.rms_norm)(on(d, xh), on(d, wh))).astype(np.float32)
+        g, c = ys["gpu"], ys["cpu"]
+        checks += 1
+        same_kind = (np.array_equal(np.isnan(g), np.isnan(c)) and np.array_equal(np.isinf(g), np.isinf(c))
+                     and np.array_equal(g[np.isinf(g)], c[np.isinf(c)]))
+        fin = np.isfinite(c)
+        if not same_kind or not err(g[fin], c[fin]) <= 2 * TOL[jnp.dtype(dt).name]:
+            bad.append(f"non-finite {jnp.dtype(dt).name}: NaN/inf positions or finite values differ from the CPU's")
     # A batched (vmapped) weight, and grad through the op.
     x = on(dev, jnp.asarray(rng.standard_normal((4, 32, 256)), jnp.float32))
     w = on(dev, jnp.asarray(rng.uniform(0.5, 1.5, (4, 256)), jnp.float32))

@@ -2,8 +2,9 @@
 //
 // The same file also compiles as host C++ for the CPU emulator of the tests
 // (tests/cuda_emulator): the places that NVRTC alone can take (the dynamic shared memory
-// declaration, the two inline-PTX half conversions and `opaque`'s empty move) sit behind
-// `__CUDACC_RTC__`, which NVRTC defines, with host equivalents otherwise.
+// declaration, the inline-PTX half conversions, the bfloat16 pair rounding and high-half mask,
+// and `opaque`'s empty move) sit behind `__CUDACC_RTC__`, which NVRTC defines, with host
+// equivalents otherwise (the same bits: the emulated tests run those).
 //
 // Deliberately header-free: bfloat16 and float16 are carried as raw 16-bit patterns and
 // converted with bit arithmetic / PTX `cvt`, so NVRTC needs no CUDA include directory at run
@@ -121,6 +122,60 @@ template <> struct Elem<f16_t> {
   }
 };
 
+// Two float32 values rounded to nearest even to bfloat16, as one 32-bit word (`lo` in its low
+// half, the order of a pack in memory). On sm_80 and later one instruction for the pair, where
+// Elem<bf16_t>::store takes about eight per element (the H200 run: the bfloat16 kernels issued
+// too many instructions per byte to keep up with memory). cvt.rn.bf16x2.f32 puts its first
+// source in the upper half (cuda_bf16.hpp's __floats2bfloat162_rn passes (b, a) for a low
+// half a). It turns a NaN into the canonical 0x7fff, so NaN packs never come here (Narrow).
+// The host emulator builds the same word from Elem<bf16_t>::store: the same bits for every
+// non-NaN value.
+__device__ __forceinline__ unsigned bf16x2_rn(float lo, float hi) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 800
+  unsigned w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+#else
+  return (unsigned)Elem<bf16_t>::store(lo).bits | ((unsigned)Elem<bf16_t>::store(hi).bits << 16);
+#endif
+}
+
+// VEC values in A rounded to T: Elem<T>::store of each. bfloat16 packs round two at a time
+// (bf16x2_rn), unless one of the values is NaN: that pack takes Elem<bf16_t>::store, which keeps
+// a NaN's payload as the CPU bundle does (a branch the warp takes together unless a NaN is
+// there: one compare per element on the common path).
+template <typename T, int VEC> struct Narrow {
+  static __device__ __forceinline__ void pack(T (&out)[VEC], const typename Elem<T>::Acc (&a)[VEC]) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) out[e] = Elem<T>::store(a[e]);
+  }
+};
+template <int VEC> struct Narrow<bf16_t, VEC> {
+  static __device__ __forceinline__ void pack(bf16_t (&out)[VEC], const float (&a)[VEC]) {
+    bool nan = false;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) nan |= !(a[e] == a[e]);
+    if (VEC % 2 != 0 || nan) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) out[e] = Elem<bf16_t>::store(a[e]);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e + 1 < VEC; e += 2) {
+      const unsigned w = bf16x2_rn(a[e], a[e + 1]);
+#if defined(__CUDACC_RTC__)
+      // The word as it is, as load_pack writes its words into a pack (out[e] is 4-byte
+      // aligned: a pack of an even VEC is, and e is even). Written as two 16-bit halves, the
+      // compiler split the word and joined it again: a shift and a byte permute per pair.
+      *reinterpret_cast<unsigned*>(&out[e]) = w;
+#else
+      out[e].bits = (u16)w;
+      out[e + 1].bits = (u16)(w >> 16);
+#endif
+    }
+  }
+};
+
 // VEC elements of T, loaded and stored with the widest accesses their size allows. Aligned to
 // its size up to 16 bytes, which is all the callers guarantee (an f32 weight next to bf16 x is
 // a 32-byte pack read as two 16-byte loads).
@@ -168,6 +223,33 @@ __device__ __forceinline__ void store_pack(T* base, i64 index, const Pack<T, VEC
   } else {
     EMU_GLOBAL(dst, true);
     *dst = p;
+  }
+}
+
+// Element `e` of a pack, widened to A (Elem<T>::load). A bfloat16 pair is one 32-bit word of
+// the pack: its low element is the word shifted up 16 bits and its high one the word with the
+// low half cleared, one instruction each, where widening each 16-bit element alone took two
+// for the high one (extract, shift). `e` is a constant once the callers' loops are unrolled.
+template <typename T, int VEC>
+__device__ __forceinline__ typename Elem<T>::Acc elem(const Pack<T, VEC>& p, int e) {
+  return Elem<T>::load(p.e[e]);
+}
+template <int VEC>
+__device__ __forceinline__ float elem(const Pack<bf16_t, VEC>& p, int e) {
+  if constexpr (VEC % 2 == 0) {
+    const unsigned word = (unsigned)p.e[e & ~1].bits | ((unsigned)p.e[e | 1].bits << 16);
+    if (!(e & 1)) return __uint_as_float(word << 16);
+#if defined(__CUDACC_RTC__)
+    // In C++ the compiler turns the mask back into the 16-bit element shifted up (two
+    // instructions: extract, shift); the PTX `and` keeps it one.
+    unsigned high;
+    asm("and.b32 %0, %1, 0xffff0000;" : "=r"(high) : "r"(word));
+    return __uint_as_float(high);
+#else
+    return __uint_as_float(word & 0xffff0000u);
+#endif
+  } else {
+    return Elem<bf16_t>::load(p.e[e]);
   }
 }
 
@@ -273,9 +355,9 @@ __device__ __forceinline__ A rstd_of(double sum_sq, int n, float eps) {
 // its own. The launch code passes -0.0 for no offset: w + -0.0 is w bit for bit, signed zeros
 // included, so one expression serves both (the CPU bundle's math::offset_weights adds the same
 // two values in A).
-template <typename A, typename W>
-__device__ __forceinline__ A weight_of(W w, A offset) {
-  return A(Elem<W>::load(w)) + offset;
+template <typename A, typename W, int VEC>
+__device__ __forceinline__ A weight_of(const Pack<W, VEC>& w, int e, A offset) {
+  return A(elem(w, e)) + offset;
 }
 
 // x * r * (offset + w) (w may be null: then x * r) for one pack.
@@ -284,16 +366,18 @@ __device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr
                                               typename Elem<T>::Acc r,
                                               typename Elem<T>::Acc offset) {
   typedef typename Elem<T>::Acc A;
-  Pack<T, VEC> out;
+  A vals[VEC];
   if (wr) {
     const Pack<W, VEC> wp = load_pack<W, VEC>(wr, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r * weight_of<A>(wp.e[e], offset));
+      vals[e] = elem(p, e) * r * weight_of<A>(wp, e, offset);
   } else {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(Elem<T>::load(p.e[e]) * r);
+    for (int e = 0; e < VEC; ++e) vals[e] = elem(p, e) * r;
   }
+  Pack<T, VEC> out;
+  Narrow<T, VEC>::pack(out.e, vals);
   return out;
 }
 
@@ -306,18 +390,20 @@ __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* 
   Pack<T, VEC> p = load_pack<T, VEC>(xr, v);
   if constexpr (RESIDUAL) {
     const Pack<T, VEC> q = load_pack<T, VEC>(rr, v);
+    A sum[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sum[e] = elem(p, e) + elem(q, e);
+    Narrow<T, VEC>::pack(p.e, sum);  // h in x's dtype: the norm is of what is returned
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const A sum = Elem<T>::load(p.e[e]) + Elem<T>::load(q.e[e]);
-      p.e[e] = Elem<T>::store(sum);  // h in x's dtype: the norm is of what is returned
-      const A hv = Elem<T>::load(p.e[e]);
+      const A hv = elem(p, e);
       part += hv * hv;
     }
     if (store_h) store_pack<T, VEC>(hr, v, p);
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const A a = Elem<T>::load(p.e[e]);
+      const A a = elem(p, e);
       part += a * a;
     }
   }
@@ -514,11 +600,12 @@ __device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
   Pack<T, VEC> out;
   if (dhr) {
     const Pack<T, VEC> hp = load_pack<T, VEC>(dhr, v);
+    typename Elem<T>::Acc sum[VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(d[e] + Elem<T>::load(hp.e[e]));
+    for (int e = 0; e < VEC; ++e) sum[e] = d[e] + elem(hp, e);
+    Narrow<T, VEC>::pack(out.e, sum);
   } else {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) out.e[e] = Elem<T>::store(d[e]);
+    Narrow<T, VEC>::pack(out.e, d);
   }
   store_pack<T, VEC>(dxr, v, out);
 }
@@ -622,12 +709,12 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              part += Elem<T>::load(gc[k].e[e]) * weight_of<A>(wp.e[e], off) *
-                      Elem<T>::load(xc[k].e[e]);
+              part += elem(gc[k], e) * weight_of<A>(wp, e, off) *
+                      elem(xc[k], e);
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              part += Elem<T>::load(gc[k].e[e]) * Elem<T>::load(xc[k].e[e]);
+              part += elem(gc[k], e) * elem(xc[k], e);
           }
         }
       }
@@ -640,10 +727,10 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            part += Elem<T>::load(gp.e[e]) * weight_of<A>(wp.e[e], off) * Elem<T>::load(xp.e[e]);
+            part += elem(gp, e) * weight_of<A>(wp, e, off) * elem(xp, e);
         } else {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) part += Elem<T>::load(gp.e[e]) * Elem<T>::load(xp.e[e]);
+          for (int e = 0; e < VEC; ++e) part += elem(gp, e) * elem(xp, e);
         }
         if (++packs == fold_packs) {
           dot.add(part);
@@ -672,15 +759,15 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
               const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
-                const A xa = Elem<T>::load(xc[k].e[e]);
-                const A ga = Elem<T>::load(gc[k].e[e]);
-                d[e] = r * ga * weight_of<A>(wp.e[e], off) - xa * c;
+                const A xa = elem(xc[k], e);
+                const A ga = elem(gc[k], e);
+                d[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
                 acc[k][e] += ga * xa * r;
               }
             } else {
 #pragma unroll
               for (int e = 0; e < VEC; ++e)
-                d[e] = r * Elem<T>::load(gc[k].e[e]) - Elem<T>::load(xc[k].e[e]) * c;
+                d[e] = r * elem(gc[k], e) - elem(xc[k], e) * c;
             }
             store_dx<T, VEC>(dxr, dhr, v, d);
           }
@@ -694,9 +781,9 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
-              const A xa = Elem<T>::load(xp.e[e]);
-              const A ga = Elem<T>::load(gp.e[e]);
-              d[e] = r * ga * weight_of<A>(wp.e[e], off) - xa * c;
+              const A xa = elem(xp, e);
+              const A ga = elem(gp, e);
+              d[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
               if (prow) {
                 EMU_GLOBAL(prow + v * VEC + e, false);
                 EMU_GLOBAL(prow + v * VEC + e, true);
@@ -711,7 +798,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              d[e] = r * Elem<T>::load(gp.e[e]) - Elem<T>::load(xp.e[e]) * c;
+              d[e] = r * elem(gp, e) - elem(xp, e) * c;
           }
           store_dx<T, VEC>(dxr, dhr, v, d);
         }
