@@ -775,7 +775,9 @@ def profile():
     prefix = [tool, "--target-processes", "all", "--launch-count", "24", "--section", "SpeedOfLight",
               "--section", "MemoryWorkloadAnalysis", "--section", "Occupancy", "--section",
               "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
-              "--log-file", str(log)]
+              # Executed instructions per kernel: against the bytes it moves, the dynamic count
+              # of what tests/cuda_emulator/sass.py reads statically (instructions per pack).
+              "--section", "InstructionStats", "--log-file", str(log)]
     try:
         rc, out = run_child("profile", timeout=min(120, left() - 100), prefix=prefix)
     except subprocess.TimeoutExpired:
