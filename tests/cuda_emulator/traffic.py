@@ -259,8 +259,11 @@ def launch_model(launch: dict, usage: dict) -> dict:
     grid = launch["grid"]
     per_block = (dram_read + dram_write + l2_read) / grid
     # Loads a block has in flight at once: the cached paths issue a row's loads before the
-    # reduction (measured: load bytes between two syncs); the streaming paths and the finalize
-    # one iteration's (not unrolled: the conservative reading).
+    # reduction (measured: load bytes between two syncs); the streaming paths the row loads of
+    # one iteration of their loops (measured: rmsnorm.cu marks each iteration, EMU_STEP; the
+    # SASS issues an iteration's loads together and uses them before the next iteration's, as
+    # tests/cuda_emulator/sass.py's disassembly shows); the finalize FINALIZE_LOADS partials at
+    # a time (its source's order).
     finalize = "finalize" in launch["kernel"]
     if launch["cached"]:
         inflight_block = launch["load_bytes_per_block_per_sync"]
@@ -268,11 +271,7 @@ def launch_model(launch: dict, usage: dict) -> dict:
         loads = min(FINALIZE_LOADS, math.ceil(launch["load_bytes_per_block_per_sync"] / threads / 8))
         inflight_block = threads * 8 * loads
     else:
-        widths = [w for name, b in bufs.items() if name not in ("w", "rstd")
-                  for w, c in b["read"]["widths"].items() if c]
-        inflight_block = threads * sum(int(w) for w in widths[:1]) * max(
-            1, sum(1 for name, b in bufs.items()
-                   if name not in ("w", "rstd", "partial") and b["read"]["requested"]))
+        inflight_block = launch["row_load_bytes_per_block_per_step"]
     reads = dram_read + l2_read
     amplify = (dram_read + dram_write + l2_read) / reads if reads else 1.0
     latency = (L2_LATENCY if finalize else LATENCY) + (SYNC if launch["cached"] else 0.0)

@@ -67,6 +67,12 @@ typedef long long i64;
 #if !defined(EMU_GLOBAL)
 #define EMU_GLOBAL(p, store)
 #endif
+// EMU_STEP(): a thread starts an iteration of a streaming loop. Nothing on the device and in the
+// emulated tests; the traffic harness measures the row loads a thread issues per iteration:
+// what it has in flight on the streaming paths (the SASS issues them before their first use).
+#if !defined(EMU_STEP)
+#define EMU_STEP()
+#endif
 
 struct bf16_t { u16 bits; };
 struct f16_t { u16 bits; };
@@ -452,6 +458,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
     } else if (valid) {
       int packs = 0;
       for (int v = lane; v < nv; v += team) {
+        EMU_STEP();
         load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
         if (++packs == fold_packs) {
           ss.add(part);
@@ -479,6 +486,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       // back: h may not be read through the read-only cache that load_pack uses).
       A unused = A(0);
       for (int v = lane; v < nv; v += team) {
+        EMU_STEP();
         const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
         store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r, off));
       }
@@ -721,6 +729,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     } else if (valid) {
       int packs = 0;
       for (int v = lane; v < nv; v += team) {
+        EMU_STEP();
         const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
         const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
         if (wg) {
@@ -774,6 +783,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
         }
       } else {
         for (int v = lane; v < nv; v += team) {
+          EMU_STEP();
           const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
           const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
           A d[VEC];

@@ -85,7 +85,11 @@ inline T ldg(const T* p, int line) {
 // where EMU_GLOBAL expands to nothing.
 namespace emu {
 void traffic_access(const void* p, unsigned bytes, unsigned width, bool store, int line);
+void traffic_step();
 }
+// A step of a streaming loop (rmsnorm.cu's stream_packs): the row loads a thread issues from
+// one step to the next are what it has in flight there.
+#define EMU_STEP() ::emu::traffic_step()
 #define EMU_GLOBAL(p, store)                                                             \
   ::emu::traffic_access((p), (unsigned)sizeof(*(p)),                                   \
                         (unsigned)(alignof(decltype(*(p))) < 16 ? alignof(decltype(*(p))) : 16), \

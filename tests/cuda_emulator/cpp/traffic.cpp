@@ -64,6 +64,7 @@ struct Buffer {
   std::string name;
   uintptr_t lo = 0, hi = 0;
   bool broadcast = false;   // read by every block (the weight): distinct sectors not scaled
+  bool row = false;         // a row array (x, residual, dy, dh): its loads count per step
   Dir group[2][2];          // [head blocks, last block][read, write]
   std::vector<uint8_t> seen[2];  // distinct sectors touched, per direction
 };
@@ -95,6 +96,7 @@ struct Thread {
   int epoch = 0;
   std::unordered_map<uint64_t, int> counts;  // (line, buffer, store) -> accesses this epoch
   uint64_t load_bytes = 0, max_load_bytes = 0;
+  uint64_t step_bytes = 0, max_step_bytes = 0;  // row loads per streaming step (EMU_STEP)
 };
 
 struct Recorder {
@@ -107,6 +109,8 @@ struct Recorder {
   // summed over the block; the weight, read from cache, left out), over the blocks run.
   double inflight_sum = 0;
   uint64_t inflight_blocks = 0;
+  // Row loads a block's threads issue per streaming step (each thread's most), likewise.
+  double step_sum = 0;
   uint64_t unknown = 0;  // accesses outside every registered buffer (shared memory: ignored)
 } rec;
 
@@ -133,7 +137,14 @@ void traffic_block_begin(int threads) {
   rec.instances.clear();
 }
 
+void traffic_step() {
+  Thread& t = rec.threads[current_thread()];
+  t.max_step_bytes = std::max(t.max_step_bytes, t.step_bytes);
+  t.step_bytes = 0;
+}
+
 void traffic_sync() {
+  traffic_step();
   Thread& t = rec.threads[current_thread()];
   t.max_load_bytes = std::max(t.max_load_bytes, t.load_bytes);
   t.load_bytes = 0;
@@ -158,9 +169,14 @@ void traffic_block_end() {
   }
   rec.instances.clear();
   uint64_t block_bytes = 0;
-  for (Thread& t : rec.threads) block_bytes += std::max(t.max_load_bytes, t.load_bytes);
+  uint64_t step_bytes = 0;
+  for (Thread& t : rec.threads) {
+    block_bytes += std::max(t.max_load_bytes, t.load_bytes);
+    step_bytes += std::max(t.max_step_bytes, t.step_bytes);
+  }
   if (rec.group == 0 || rec.head_blocks == 0) {
     rec.inflight_sum += (double)block_bytes;
+    rec.step_sum += (double)step_bytes;
     ++rec.inflight_blocks;
   }
 }
@@ -179,6 +195,7 @@ void traffic_access(const void* p, unsigned bytes, unsigned width, bool store, i
   const int tid = current_thread();
   Thread& t = rec.threads[tid];
   if (!store && !buf.broadcast) t.load_bytes += bytes;
+  if (!store && buf.row) t.step_bytes += bytes;
   for (unsigned off = 0; off < bytes; off += width) {
     const uint64_t ckey = ((uint64_t)line << 20) | ((uint64_t)buffer << 1) | (store ? 1 : 0);
     const int count = t.counts[ckey]++;
@@ -290,6 +307,8 @@ void add_buffer(const char* name, const Mem& m, size_t bytes, bool broadcast) {
   b.lo = (uintptr_t)m.p;
   b.hi = b.lo + bytes;
   b.broadcast = broadcast;
+  const std::string nm = name;
+  b.row = nm == "x" || nm == "residual" || nm == "dy" || nm == "dh";
   for (auto& s : b.seen) s.assign(bytes / 32 + 2, 0);
   rec.buffers.push_back(std::move(b));
 }
@@ -321,6 +340,7 @@ std::string run(const std::string& kernel, const Launch& l, emu::Dim block,
   std::vector<unsigned char> params = pack(k, values);
   rec.head_blocks = std::min(l.grid - 1, max_blocks);
   rec.inflight_sum = 0;
+  rec.step_sum = 0;
   rec.inflight_blocks = 0;
   char message[1024];
   if (emu_run_grid(k, emu::Dim{(unsigned)l.grid, 1, 1}, block, (unsigned)l.shared, params.data(),
@@ -353,13 +373,15 @@ std::string run(const std::string& kernel, const Launch& l, emu::Dim block,
   snprintf(head, sizeof head,
            "{\"kernel\":\"%s\",\"grid\":%llu,\"block\":[%u,%u],\"team\":%llu,\"shared\":%llu,"
            "\"chunk\":%llu,\"blocks_per_group\":%llu,\"emulated_blocks\":%llu,\"cached\":%s,"
-           "\"load_bytes_per_block_per_sync\":%.1f,\"buffers\":[",
+           "\"load_bytes_per_block_per_sync\":%.1f,\"row_load_bytes_per_block_per_step\":%.1f,"
+           "\"buffers\":[",
            kernel.c_str(), (unsigned long long)l.grid, block.x, block.y,
            (unsigned long long)l.team, (unsigned long long)l.shared, (unsigned long long)l.chunk,
            (unsigned long long)l.blocks_per_group,
            (unsigned long long)(rec.head_blocks + (l.grid > rec.head_blocks ? 1 : 0)),
            cached ? "true" : "false",
-           rec.inflight_blocks ? rec.inflight_sum / (double)rec.inflight_blocks : 0.0);
+           rec.inflight_blocks ? rec.inflight_sum / (double)rec.inflight_blocks : 0.0,
+           rec.inflight_blocks ? rec.step_sum / (double)rec.inflight_blocks : 0.0);
   return std::string(head) + bufs + "]}";
 }
 
