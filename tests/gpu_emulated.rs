@@ -745,6 +745,87 @@ fn cpu_results(
     Ok((y, dx, dw))
 }
 
+/// Where `got` and `want` (rows of `n`) are NaN and infinite must agree, infinities in sign too;
+/// the finite values of each row within `tol` of `want`'s (row by row: a row of 1e30 must not
+/// widen another row's bound).
+fn same_non_finite(
+    what: &str,
+    got: &[f64],
+    want: &[f64],
+    n: usize,
+    tol: f64,
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
+    }
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g.is_nan() != w.is_nan()
+            || (w.is_infinite() && g != w)
+            || (g.is_infinite() && !w.is_infinite())
+        {
+            return Err(format!("{what}[{i}]: got {g}, want {w}"));
+        }
+    }
+    for (r, (g, w)) in got.chunks(n).zip(want.chunks(n)).enumerate() {
+        let (g, w): (Vec<f64>, Vec<f64>) = g
+            .iter()
+            .zip(w)
+            .filter(|(_, w)| w.is_finite())
+            .map(|(g, w)| (*g, *w))
+            .unzip();
+        compare(&format!("{what} row {r}"), &g, &w, tol)?;
+    }
+    Ok(())
+}
+
+/// Non-finite input through the GPU bundles gives what the CPU bundles give: a row with a NaN,
+/// +inf, -inf, or squares past float32's range (bfloat16 and float32 hold 1e30; float16
+/// saturates to inf). The half-precision kernels round packs holding a NaN with the bit
+/// arithmetic and the rest in pairs (rmsnorm.cu's Narrow): both run here.
+#[test]
+fn non_finite_rows_match_the_cpu_bundles() {
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let (rows, n) = (6, 256);
+    let mut failures = Vec::new();
+    for x in [DataType::BF16, DataType::F16, DataType::F32] {
+        let case = Case::new(x, Weight::Same, rows, n);
+        let mut xv = values(rows * n, 11);
+        xv[n + 5] = f64::NAN;
+        xv[2 * n + 7] = f64::INFINITY;
+        xv[3 * n + 9] = f64::NEG_INFINITY;
+        for v in &mut xv[4 * n..5 * n] {
+            *v *= 1e30;
+        }
+        let w: Vec<f64> = values(n, 13).iter().map(|v| 1.0 + v / 4.0).collect();
+        let inp = Inputs {
+            x: encode(x, &xv),
+            w: Some(encode(x, &w)),
+            dy: encode(x, &values(rows * n, 12)),
+            dh: None,
+        };
+        let tol = 2.0 * tolerance(x, n);
+        let checked = run_gpu(fake, &case, &inp, 1).and_then(|out| {
+            let cpu = cpu_results(
+                &case,
+                &inp.x.0,
+                inp.w.as_ref().map(|w| w.0.as_slice()),
+                &inp.dy.0,
+                None,
+            )?;
+            same_non_finite("y", &out.y, &cpu.0, n, tol)?;
+            same_non_finite("dx", &out.dx, &cpu.1, n, 4.0 * tol)?;
+            let dw = decode(x, &out.dw[0]);
+            same_non_finite("dw", &dw, &cpu.2, n, 4.0 * tol * (rows as f64).sqrt())
+        });
+        if let Err(e) = checked {
+            failures.push(format!("{}: {e}", x.name()));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The matrix
 // ---------------------------------------------------------------------------------------------
