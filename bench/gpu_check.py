@@ -339,8 +339,9 @@ def correctness():
                         bad.append(f"{what} {tag}: {e:.2e} > {t:.0e}")
     # Non-finite input in half precision: the bfloat16 kernels round pairs with the hardware's
     # cvt.rn.bf16x2.f32 and fall back to the bit arithmetic for a pack holding a NaN (the CPU
-    # emulator runs only the latter). A row with a NaN or an infinity is NaN where the CPU's is,
-    # infinite where it is, and the finite rows match.
+    # emulator runs a software twin of the instruction, never the instruction). A row with a
+    # NaN or an infinity is NaN where the CPU's is, infinite where it is, and the finite rows
+    # match.
     for dt in (jnp.bfloat16, jnp.float16):
         xh = rng.standard_normal((6, 1024)).astype(np.float32)
         xh[1, 5], xh[2, 7], xh[3, 9] = np.nan, np.inf, -np.inf

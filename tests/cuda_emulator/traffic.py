@@ -260,10 +260,9 @@ def launch_model(launch: dict, usage: dict) -> dict:
     per_block = (dram_read + dram_write + l2_read) / grid
     # Loads a block has in flight at once: the cached paths issue a row's loads before the
     # reduction (measured: load bytes between two syncs); the streaming paths the row loads of
-    # one iteration of their loops (measured: rmsnorm.cu marks each iteration, EMU_STEP; the
-    # SASS issues an iteration's loads together and uses them before the next iteration's, as
-    # tests/cuda_emulator/sass.py's disassembly shows); the finalize FINALIZE_LOADS partials at
-    # a time (its source's order).
+    # one iteration of their loops (measured: rmsnorm.cu marks each iteration, EMU_STEP; in the
+    # sm_90 SASS, read with nvdisasm, an iteration's loads are issued together and used before
+    # the next iteration's); the finalize FINALIZE_LOADS partials at a time (its source's order).
     finalize = "finalize" in launch["kernel"]
     if launch["cached"]:
         inflight_block = launch["load_bytes_per_block_per_sync"]

@@ -941,9 +941,12 @@ fn offset_is_the_offset_weight<T: Element + NativeType, W: Element + NativeType>
     }
 }
 
+/// Shapes of the weight-conversion tests: vector rows, a ragged row, three axes, one column.
+const CONVERTED_WEIGHT_SHAPES: [&[i64]; 4] = [&[37, 64], &[5, 229], &[2, 3, 16], &[4, 1]];
+
 #[test]
 fn a_scale_offset_applies_offset_plus_w_in_the_accumulation_dtype() {
-    for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1]] {
+    for dims in CONVERTED_WEIGHT_SHAPES {
         offset_is_the_offset_weight::<f32, f32>(dims, 1.0);
         offset_is_the_offset_weight::<bf16, bf16>(dims, 1.0);
         offset_is_the_offset_weight::<f16, bf16>(dims, 1.0);
@@ -957,7 +960,7 @@ fn a_scale_offset_applies_offset_plus_w_in_the_accumulation_dtype() {
 /// given that converted weight (the gradient rounded to the weight's dtype).
 #[test]
 fn a_weight_of_another_dtype_is_the_weight_in_the_accumulation_dtype() {
-    for dims in [&[37, 64][..], &[5, 229], &[2, 3, 16], &[4, 1]] {
+    for dims in CONVERTED_WEIGHT_SHAPES {
         offset_is_the_offset_weight::<f32, bf16>(dims, 0.0);
         offset_is_the_offset_weight::<f32, f16>(dims, 0.0);
         offset_is_the_offset_weight::<f32, f64>(dims, 0.0);

@@ -161,7 +161,7 @@ template <int VEC> struct Narrow<bf16_t, VEC> {
     bool nan = false;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) nan |= !(a[e] == a[e]);
-    if (VEC % 2 != 0 || nan) {
+    if (VEC % 2 != 0 || nan) {  // an odd pack (the scalar kernels' VEC 1) has no pairs
 #pragma unroll
       for (int e = 0; e < VEC; ++e) out[e] = Elem<bf16_t>::store(a[e]);
       return;

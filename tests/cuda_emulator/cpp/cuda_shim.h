@@ -87,8 +87,8 @@ namespace emu {
 void traffic_access(const void* p, unsigned bytes, unsigned width, bool store, int line);
 void traffic_step();
 }
-// A step of a streaming loop (rmsnorm.cu's stream_packs): the row loads a thread issues from
-// one step to the next are what it has in flight there.
+// An iteration of one of rmsnorm.cu's streaming loops: the row loads a thread issues from one
+// iteration to the next are what it has in flight there.
 #define EMU_STEP() ::emu::traffic_step()
 #define EMU_GLOBAL(p, store)                                                             \
   ::emu::traffic_access((p), (unsigned)sizeof(*(p)),                                   \
