@@ -900,6 +900,22 @@ fn matrix() -> Vec<Case> {
     // Narrow (float32) partial rows of cached bfloat16 rows, transposed among lanes before they
     // are stored: 40 rows on 4 fake SMs take 5 blocks of 8 rows (plan.rs), not 4 of 10.
     cases.push(Case::new(DataType::BF16, Weight::F32, 40, 8192));
+    // Rows split across thread block clusters (the fake is compute capability 9.0 with
+    // cuLaunchKernelEx; plan.rs's backward_cluster): 40 rows of 32768 bfloat16 on 4 fake SMs are
+    // 2 clusters of 2 blocks, 20 rows each (float64 partial rows, folded); float32 with 3 weight
+    // groups (narrow rows, a cluster per group); float64 (compensated dot slots); no weight
+    // (the dot slots alone); the 40000-element rows above take clusters of 4.
+    for (x, w, rows, n, groups) in [
+        (DataType::BF16, Weight::F32, 40, 32768, 1),
+        (DataType::F32, Weight::Same, 6, 32768, 3),
+        (DataType::F64, Weight::Same, 5, 8192, 1),
+        (DataType::BF16, Weight::None, 3, 32768, 1),
+    ] {
+        cases.push(Case {
+            groups,
+            ..Case::new(x, w, rows, n)
+        });
+    }
     cases.extend(offset_and_dh_cases());
     cases
 }
@@ -959,6 +975,10 @@ fn quick_matrix() -> Vec<Case> {
         Case::new(DataType::F16, Weight::Same, 3, 2048),
         Case::new(DataType::F64, Weight::Same, 9, 512),
         Case::new(DataType::F32, Weight::Same, 2, 40000),
+        // Rows split across a cluster, several per cluster: each row's dot-product slots must be
+        // this row's (two rows, each with a slot of its own, pass on stale slots of an earlier
+        // run; float32's tolerance sees a dot product of the wrong row).
+        Case::new(DataType::F32, Weight::Same, 12, 32768),
         Case {
             groups: 3,
             ..Case::new(DataType::BF16, Weight::Same, 5, 64)
@@ -981,6 +1001,7 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
     let cases = matrix();
     let start = std::time::Instant::now();
     let launches = fake.counters().launches;
+    let clusters = fake.counters().cluster_launches;
     let failures = run_all(fake, &cases);
     println!(
         "{} cases, {} launches, {:.1} s",
@@ -997,6 +1018,8 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
     // One module per device for every state of every call site.
     let c = fake.counters();
     assert_eq!(c.module_loads, 2, "{c:?}");
+    // The cases of rows split across clusters ran as cluster launches.
+    assert!(c.cluster_launches - clusters >= 6, "{c:?}");
     assert_eq!(resources::modules_loaded(), 2);
 }
 
@@ -1671,6 +1694,7 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
         grid,
         block,
         shared_bytes,
+        cluster: 1,
     };
     // The builder: names and types in the table's order, all of them.
     let err = module
@@ -1738,6 +1762,7 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
         .ptr("dh", 0)
         .ptr("dx", 0)
         .ptr("partial", 0)
+        .ptr("dots", 0)
         .i32("n", 1)
         .i32("team", 32)
         .f32("offset", -0.0)
@@ -1776,6 +1801,7 @@ fn an_out_of_bounds_write_fails_the_launch() {
                 grid: 1,
                 block: (256, 1),
                 shared_bytes: 0,
+                cluster: 1,
             },
         )
         .unwrap()

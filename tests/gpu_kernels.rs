@@ -19,16 +19,18 @@ use rmsnorm_ffi::handlers::gpu::kernels::{KERNELS, NAMES, SOURCE};
 const SPILL_BUDGET: u64 = 128;
 
 /// The same for the vector backward of a float64 weight next to float32 or half-precision x
-/// (`rmsnorm_bwd_{f32,bf16,f16}_wf64_v`): its weight packs are two to four times x's bytes (a
+/// (`rmsnorm_bwd_{f32,bf16,f16}_wf64_{v,c}`): its weight packs are two to four times x's bytes (a
 /// 32-byte pack per 16 bytes of float32 x), read in the dot product and again for dx, under the
 /// same cap. Measured: f32 40/132 bytes on sm_80, 32/96 on sm_90; f16 48/80 on both.
 const WIDE_WEIGHT_SPILL_BUDGET: u64 = 192;
 
 /// The budget for kernel `name`.
 fn spill_budget(name: &str) -> u64 {
-    let wide_weight = ["f32", "bf16", "f16"]
-        .iter()
-        .any(|x| name == format!("rmsnorm_bwd_{x}_wf64_v"));
+    let wide_weight = ["f32", "bf16", "f16"].iter().any(|x| {
+        ["v", "c"]
+            .iter()
+            .any(|p| name == format!("rmsnorm_bwd_{x}_wf64_{p}"))
+    });
     if wide_weight {
         WIDE_WEIGHT_SPILL_BUDGET
     } else {

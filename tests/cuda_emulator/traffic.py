@@ -53,6 +53,11 @@ COPY = 4.3e12  # B/s, a device-to-device copy measured on an H200 here (KINDS.md
 LATENCY = 700e-9  # s, an HBM load under load
 L2_LATENCY = 300e-9  # s, an L2 hit under load (the finalize's partials)
 SYNC = 200e-9  # s a cached kernel spends per batch of loads on its reduction (no loads then)
+# s more per row for a backward split across a cluster (rmsnorm.cu's cluster_dot): the slot's
+# store reaching L2 before the barrier releases, the barrier, the slots' loads from L2. An
+# assumption (cluster barriers are hardware, ~200 ns is what is published for an H100's);
+# only a device measures it.
+CLUSTER_SYNC = 200e-9 + 2 * L2_LATENCY
 LAUNCH = 2e-6  # s per launch in the "with launches" column (ramp-up, drain, launch gap)
 FINALIZE_LOADS = 4  # partials a finalize thread loads before adding them (rmsnorm.cu)
 MAX_THREADS, MAX_WARPS, MAX_BLOCKS = 2048, 64, 32
@@ -65,13 +70,10 @@ TARGET_FWD, TARGET_BWD = 0.90, 0.85
 SIZES = [64 << i for i in range(11)]  # 64 .. 65536
 TOTAL = 1 << 24  # elements per shape of the sweep
 EXTRA = [(128, 8192)]  # (n, rows) beyond the sweep (4096x4096 and 16384x1024 are in it)
-# Misses the kernels are known to have (docs/gpu-traffic.md, "Left"): the backward of rows of
-# 32768 and more in bfloat16 with few rows (512 and 256), whose weight-gradient partials (one
-# float32 row per block of 4 or 2 rows: 17-33% of the minimum traffic) need the rows split
-# across the blocks of a cluster (sm_90 distributed shared memory), and whose rows stream (x and
-# dy read twice, one load in flight per thread). Reported, not failed; any other miss fails, and
-# a known one that stops missing is said.
-KNOWN_MISSES = {f"bwd bf16 {TOTAL // n}x{n}: predicted" for n in (32768, 65536)}
+# Misses the kernels are known to have (docs/gpu-traffic.md, "Left"): none since the backward
+# of few rows of 32768 and 65536 bfloat16 split its rows across clusters (it missed at 67% and
+# 50%). Reported, not failed; any other miss fails, and a known one that stops missing is said.
+KNOWN_MISSES: set[str] = set()
 
 KINDS = ["fwd", "bwd", "res"]
 DTYPES = ["bf16", "f32"]
@@ -248,7 +250,7 @@ def launch_model(launch: dict, usage: dict) -> dict:
     bufs = {b["name"]: b for b in launch["buffers"]}
     dram_read = dram_write = l2_read = 0
     for name, b in bufs.items():
-        if name == "partial":
+        if name in ("partial", "dots"):
             # The weight-gradient partials: written by this call's backward (each sector reaches
             # DRAM once, written back from L2), read back from L2 (the backward's own folds,
             # then the finalize right after it; the scratch is a few MB of a 50 MB L2).
@@ -274,6 +276,8 @@ def launch_model(launch: dict, usage: dict) -> dict:
     reads = dram_read + l2_read
     amplify = (dram_read + dram_write + l2_read) / reads if reads else 1.0
     latency = (L2_LATENCY if finalize else LATENCY) + (SYNC if launch["cached"] else 0.0)
+    if launch.get("cluster", 1) > 1:
+        latency += CLUSTER_SYNC
     per_wave = SMS * occ["blocks_per_sm"]
     time_s, left, waves = 0.0, grid, 0
     while left > 0:
@@ -284,7 +288,8 @@ def launch_model(launch: dict, usage: dict) -> dict:
         waves += 1
     resident = min(occ["blocks_per_sm"], math.ceil(grid / SMS))
     return {
-        "kernel": launch["kernel"], "grid": grid, "block": launch["block"],
+        "kernel": launch["kernel"], "grid": grid, "cluster": launch.get("cluster", 1),
+        "block": launch["block"],
         "team": launch["team"], "shared": launch["shared"], "chunk": launch["chunk"],
         "registers": u["registers"], "spills": u.get("spill_stores", 0) + u.get("spill_loads", 0),
         **occ, "waves": grid / per_wave,
@@ -305,12 +310,15 @@ def call_model(call: dict, usage: dict) -> dict:
     first = call["launches"][0]
     narrow = dtype != "f64" and first["team"] == first["block"][0] and first["chunk"] <= 8
     wide = 16 if dtype == "f64" else 4 if narrow else 8
-    scratch_design = call["launches"][0]["grid"] * n * wide if kind in ("bwd", "bwdh") else 0
+    units = first["grid"] // first.get("cluster", 1)  # a row per cluster, or block
+    scratch_design = units * n * wide if kind in ("bwd", "bwdh") else 0
     useful = sectors = s_useful = s_sectors = 0
     row_widths: set[int] = set()
     for lc in call["launches"]:
         for b in lc["buffers"]:
             for d in ("read", "write"):
+                if b["name"] == "dots":  # a cluster's dot slots: a few KB, read as broadcasts
+                    continue
                 if b["name"] == "partial":
                     s_useful += b[d]["useful"]
                     s_sectors += 32 * b[d]["sectors"]
@@ -380,6 +388,8 @@ def table(models: list[dict]) -> str:
     for m in models:
         lm = m["launches"][0]
         launch = f"{lm['grid']} x {lm['block'][0]}, {lm['team']}"
+        if lm["cluster"] > 1:
+            launch = f"{lm['grid']} x {lm['block'][0]} in clusters of {lm['cluster']}, {lm['team']}"
         if m["kind"] in ("bwd", "bwdh"):
             launch += f" (+{m['launches'][1]['grid']} x 256)"
         regs = "/".join(str(x["registers"]) for x in m["launches"])
@@ -489,7 +499,7 @@ def main() -> int:
     print(ptab)
     (out / "table.md").write_text(tab + "\n" + ptab)
     summary = {"model": {"sms": SMS, "peak": PEAK, "copy": COPY, "latency": LATENCY,
-                         "l2_latency": L2_LATENCY, "launch": LAUNCH,
+                         "l2_latency": L2_LATENCY, "launch": LAUNCH, "cluster_sync": CLUSTER_SYNC,
                          "needed_inflight_per_sm": NEEDED},
                "calls": models, "ptxas": usage}
     (out / "traffic.json").write_text(json.dumps(summary, indent=1))

@@ -92,7 +92,8 @@ pub static RESIDUAL: KernelSignature = KernelSignature {
     ],
 };
 
-/// `rmsnorm_bwd_*` (not finalize): BWD_ENTRY in rmsnorm.cu.
+/// `rmsnorm_bwd_*` (not finalize): BWD_ENTRY in rmsnorm.cu, the `_c` (cluster) kernels too
+/// (`dots`: their cluster's dot-product slots; null for the others).
 pub static BACKWARD: KernelSignature = KernelSignature {
     family: "rmsnorm_bwd",
     params: &[
@@ -103,6 +104,7 @@ pub static BACKWARD: KernelSignature = KernelSignature {
         ("dh", Ptr),
         ("dx", Ptr),
         ("partial", Ptr),
+        ("dots", Ptr),
         ("n", I32),
         ("team", I32),
         ("offset", F32),
@@ -124,11 +126,12 @@ pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     ],
 };
 
-/// Kernels per (x, weight) combo: the three directions, each vectorized and scalar.
-const PER_COMBO: usize = 6;
+/// Kernels per (x, weight) combo: the three directions, each vectorized and scalar, and the
+/// backward split across a cluster (vectorized).
+const PER_COMBO: usize = 7;
 
 /// Every kernel with its parameter list, in module order: per combo fwd_v, fwd_s, bwd_v,
-/// bwd_s, residual_fwd_v, residual_fwd_s; then finalize.
+/// bwd_s, residual_fwd_v, residual_fwd_s, bwd_c; then finalize.
 pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::new(|| {
     let mut out: Vec<(&'static str, &'static KernelSignature)> = Vec::new();
     for pair in COMBOS {
@@ -143,6 +146,8 @@ pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::
                 out.push((Box::leak(name.into_boxed_str()), signature));
             }
         }
+        let name = format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w));
+        out.push((Box::leak(name.into_boxed_str()), &BACKWARD));
     }
     for &(a, w) in FINALIZE.iter() {
         let name = format!("rmsnorm_bwd_finalize_{}_w{}", code(a), code(w));
@@ -178,6 +183,14 @@ pub fn kernel_index(
         Direction::Residual => 4,
     };
     Some(PER_COMBO * combo + dir + usize::from(!vectorized))
+}
+
+/// The index in [`NAMES`] of the backward kernel whose blocks split rows across a thread block
+/// cluster (rmsnorm.cu's CLUSTER; vectorized only) for x's and the weight's dtypes.
+pub fn cluster_index(x: DataType, w: Option<DataType>) -> Option<usize> {
+    let pair = DtypePair::of(x, w)?;
+    let combo = COMBOS.iter().position(|&c| c == pair)?;
+    Some(PER_COMBO * combo + 6)
 }
 
 /// The index in [`NAMES`] of the finalize kernel writing a `w`-typed gradient from `acc`.
@@ -261,6 +274,9 @@ mod tests {
     fn every_pair_of_the_contract_has_its_kernels() {
         for pair in DtypePair::ALL {
             let (x, w) = (pair.x(), pair.weight());
+            let c = cluster_index(x, Some(w)).unwrap();
+            assert_eq!(NAMES[c], format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w)));
+            assert!(std::ptr::eq(KERNELS[c].1, &BACKWARD));
             for (dir, kind) in DIRECTIONS {
                 for (vectorized, path) in [(true, "v"), (false, "s")] {
                     let i = kernel_index(dir, x, Some(w), vectorized).unwrap();
@@ -377,9 +393,9 @@ mod tests {
         // x, w, y, rstd, rows, n, team, eps, offset, rows_per_group.
         assert_eq!(FORWARD.packed_bytes(), 4 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(RESIDUAL.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
-        // x, w, rstd, dy, dh, dx, partial, n, team, offset, 4 bytes of padding, chunk,
+        // x, w, rstd, dy, dh, dx, partial, dots, n, team, offset, 4 bytes of padding, chunk,
         // rows_per_group, blocks_per_group.
-        assert_eq!(BACKWARD.packed_bytes(), 7 * 8 + 4 + 4 + 4 + 4 + 8 + 8 + 8);
+        assert_eq!(BACKWARD.packed_bytes(), 8 * 8 + 4 + 4 + 4 + 4 + 8 + 8 + 8);
         // partial, blocks, n, narrow, 4 bytes of padding, dw.
         assert_eq!(FINALIZE_KERNEL.packed_bytes(), 8 + 4 + 4 + 4 + 4 + 8);
     }

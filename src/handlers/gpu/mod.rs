@@ -197,7 +197,7 @@ fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> Ffi
     let device = driver::cuda()?.stream_device(stream)?;
     state
         .devices
-        .get_or_acquire(&state.live, stream, &device, stage, |_| 0)
+        .get_or_acquire(&state.live, stream, &device, stage, |_, _| 0)
 }
 
 pub struct GpuBackward;
@@ -270,9 +270,12 @@ fn backward_slot(
     let stream = ctx.stream()?;
     let device = driver::cuda()?.stream_device(stream)?;
     let has_weight = state.has_weight;
-    state
-        .devices
-        .get_or_acquire(&state.live, stream, &device, stage, |sm_count| {
+    state.devices.get_or_acquire(
+        &state.live,
+        stream,
+        &device,
+        stage,
+        |sm_count, max_cluster| {
             plan::backward_scratch_bytes(
                 x,
                 layout.n,
@@ -280,8 +283,10 @@ fn backward_slot(
                 layout.rows_per_group(),
                 sm_count,
                 has_weight,
+                max_cluster,
             )
-        })
+        },
+    )
 }
 
 fn addr(p: *mut std::ffi::c_void) -> u64 {
@@ -383,6 +388,7 @@ fn launch_forward(
         grid: launch.grid,
         block: (launch.block, 1),
         shared_bytes: launch.shared_bytes,
+        cluster: 1,
     };
     let mut call = slot.module.launch(index, config)?.ptr("x", xp);
     if let Some((resp, _)) = fused {
@@ -459,10 +465,12 @@ impl Execute for GpuBackward {
             vectorized,
             slot.sm_count,
             dw.is_some(),
+            slot.max_cluster,
         );
         let (scratch, scratch_bytes) = slot.scratch();
-        if dw.is_some() && per_group > 0 {
-            let needed = launch.grid as usize * n * plan::partial_value_bytes(x.dtype(), &launch);
+        let layout_of_scratch = plan::backward_scratch(x.dtype(), n, &launch, dw.is_some());
+        if per_group > 0 {
+            let needed = layout_of_scratch.bytes;
             if needed > scratch_bytes {
                 return Err(FfiError::internal(format!(
                     "rmsnorm_bwd: the launch needs {needed} scratch bytes, the call site holds \
@@ -471,12 +479,22 @@ impl Execute for GpuBackward {
             }
         }
         if per_group > 0 {
-            let index = kernels::kernel_index(Direction::Backward, x.dtype(), wd, vectorized)
-                .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
+            let index = if launch.cluster > 1 {
+                kernels::cluster_index(x.dtype(), wd)
+            } else {
+                kernels::kernel_index(Direction::Backward, x.dtype(), wd, vectorized)
+            }
+            .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
             let config = LaunchConfig {
                 grid: launch.grid,
                 block: (launch.block, 1),
                 shared_bytes: launch.shared_bytes,
+                cluster: launch.cluster,
+            };
+            let dots = if launch.cluster > 1 {
+                scratch + layout_of_scratch.dots_offset as u64
+            } else {
+                0
             };
             slot.module
                 .launch(index, config)?
@@ -487,6 +505,7 @@ impl Execute for GpuBackward {
                 .ptr("dh", dhp)
                 .ptr("dx", dxp)
                 .ptr("partial", if dw.is_some() { scratch } else { 0 })
+                .ptr("dots", dots)
                 .i32("n", n as i32)
                 .i32("team", launch.team as i32)
                 .f32("offset", kernels::offset_param(state.offset))
@@ -511,6 +530,7 @@ impl Execute for GpuBackward {
                         grid,
                         block: (32, 8),
                         shared_bytes: 0,
+                        cluster: 1,
                     },
                 )?
                 .ptr("partial", scratch)

@@ -38,6 +38,11 @@ pub const SHARED_ROW_LIMIT_BYTES: usize = 32 << 10;
 /// (rmsnorm.cu's `FOLD_ROWS`).
 pub const FOLD_ROWS: i64 = 8;
 
+/// Most blocks per thread block cluster a backward launch takes: the portable cluster size
+/// (more needs cuFuncSetAttribute's NON_PORTABLE_CLUSTER_SIZE_ALLOWED). What a device without
+/// clusters (before compute capability 9.0) passes as `max_cluster` is 1.
+pub const MAX_CLUSTER: usize = 8;
+
 /// The shape of one forward or backward launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -48,8 +53,12 @@ pub struct Launch {
     pub shared_bytes: u32,
     /// Rows per block (backward).
     pub chunk: i64,
-    /// Blocks per weight group (backward): `grid = groups * blocks_per_group`.
+    /// Blocks per weight group (backward): `grid = groups * blocks_per_group * cluster`; with
+    /// clusters, clusters per weight group.
     pub blocks_per_group: u32,
+    /// Blocks per thread block cluster (backward; 1: none): the `_c` kernel, each row of a
+    /// cluster's chunk split into `cluster` slices of columns (see [`backward_cluster`]).
+    pub cluster: u32,
 }
 
 /// Threads per row: enough for each thread to cache at most `vpt` vectors, `min..=max`.
@@ -83,7 +92,30 @@ pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> L
         shared_bytes: 0,
         chunk: 0,
         blocks_per_group: 0,
+        cluster: 1,
     }
+}
+
+/// Blocks per cluster of a backward launch: rows too long for one block's cache (which would
+/// stream, x and dy read twice, one vector of each in flight per thread) split across the
+/// smallest cluster of 2, 4 or 8 blocks whose slices of the row fit their caches, where the
+/// device has clusters (`max_cluster`) and the vector path applies; else 1. Few such rows left
+/// each SM's block with a partial row of its own, 17-33% of the call's bytes
+/// (docs/gpu-traffic.md); a cluster writes one, and reads x once.
+pub fn backward_cluster(x: DataType, n: usize, vectorized: bool, max_cluster: usize) -> usize {
+    if !vectorized {
+        return 1;
+    }
+    let nv = n / vec_width(x, true);
+    let cached = BACKWARD_BLOCK as usize * vectors_per_thread(Direction::Backward, x, true);
+    if nv <= cached {
+        return 1;
+    }
+    [2, 4, 8]
+        .into_iter()
+        .filter(|&c| c <= max_cluster.min(MAX_CLUSTER))
+        .find(|&c| nv.is_multiple_of(c) && nv / c <= cached)
+        .unwrap_or(1)
 }
 
 /// Backward: blocks of 512 threads, each owning a contiguous chunk of one weight group's rows
@@ -96,7 +128,12 @@ pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> L
 /// accumulators take chunks of at most [`FOLD_ROWS`] rows (narrow partials, see
 /// [`narrow_partials`]) where that writes no more partial bytes than the float64 rows of about
 /// `sm_count` blocks: with few long rows the partials were 8-67% of the call's minimum traffic
-/// (docs/gpu-traffic.md), and a chunk of 8 rows is never folded in between.
+/// (docs/gpu-traffic.md), and a chunk of 8 rows is never folded in between. Rows that would
+/// stream take clusters where the device has them ([`backward_cluster`], `max_cluster`: 1 for
+/// none): everything above then counts clusters, of one team of 512 per block.
+// The call's shape (dtype, n, groups, rows, vectorized), the device's (sm_count, max_cluster)
+// and the weight: plain values, each named where it is passed.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_launch(
     x: DataType,
     n: usize,
@@ -105,13 +142,15 @@ pub fn backward_launch(
     vectorized: bool,
     sm_count: usize,
     has_weight: bool,
+    max_cluster: usize,
 ) -> Launch {
     let vec = vec_width(x, vectorized);
     let block = BACKWARD_BLOCK as usize;
     let vpt = vectors_per_thread(Direction::Backward, x, vectorized);
     let wide = wide_size_of(acc_dtype(x));
+    let cluster = backward_cluster(x, n, vectorized, max_cluster.min(sm_count.max(1)));
     let mut team = team_size(n, vec, vpt, 32, block);
-    if n * wide > SHARED_ROW_LIMIT_BYTES {
+    if n * wide > SHARED_ROW_LIMIT_BYTES || cluster > 1 {
         team = block;
     }
     let teams = block / team;
@@ -119,7 +158,8 @@ pub fn backward_launch(
     let shared = if teams > 1 && cached { n * wide } else { 0 };
     let groups = groups.max(1);
     let wanted = rows_per_group.div_ceil(teams).max(1);
-    let mut per_group = sm_count.max(1).div_ceil(groups);
+    // Clusters (or blocks) resident at once: one block per SM.
+    let mut per_group = (sm_count / cluster).max(1).div_ceil(groups);
     if has_weight {
         let rows_in_limit = SCRATCH_LIMIT_BYTES / (n.max(1) * wide);
         per_group = per_group.min(rows_in_limit / groups).max(1);
@@ -137,18 +177,49 @@ pub fn backward_launch(
     }
     let per_group = rows_per_group.div_ceil(chunk).max(1);
     Launch {
-        grid: (groups * per_group).min(i32::MAX as usize) as u32,
+        grid: (groups * per_group * cluster).min(i32::MAX as usize) as u32,
         block: block as u32,
         team: team as u32,
         shared_bytes: shared as u32,
         chunk: chunk as i64,
         blocks_per_group: per_group as u32,
+        cluster: cluster as u32,
+    }
+}
+
+/// Where a backward launch's scratch holds what: its partial rows (one of `n` values per
+/// cluster, or block, with a weight: [`partial_value_bytes`] each) from 0, and with clusters
+/// their dot-product slots (2 per block, `Wide` values: rmsnorm.cu's cluster_dot) from
+/// `dots_offset`; `bytes` in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScratchLayout {
+    pub dots_offset: usize,
+    pub bytes: usize,
+}
+
+pub fn backward_scratch(x: DataType, n: usize, launch: &Launch, has_weight: bool) -> ScratchLayout {
+    let partial = if has_weight {
+        (launch.grid / launch.cluster.max(1)) as usize * n * partial_value_bytes(x, launch)
+    } else {
+        0
+    };
+    if launch.cluster <= 1 {
+        return ScratchLayout {
+            dots_offset: 0,
+            bytes: partial,
+        };
+    }
+    let dots_offset = partial.next_multiple_of(256);
+    ScratchLayout {
+        dots_offset,
+        bytes: dots_offset + launch.grid as usize * 2 * wide_size_of(acc_dtype(x)),
     }
 }
 
 /// Whether a backward launch's blocks write narrow partial rows (n float32 sums of at most
 /// [`FOLD_ROWS`] rows each, exact: rmsnorm.cu's `narrow`): one team per block, float32
-/// accumulators, chunks of at most [`FOLD_ROWS`] rows. The finalize is told (`narrow`).
+/// accumulators, chunks of at most [`FOLD_ROWS`] rows (per cluster, with clusters). The
+/// finalize is told (`narrow`).
 pub fn narrow_partials(x: DataType, launch: &Launch) -> bool {
     wide_size_of(acc_dtype(x)) == 8 && launch.team == launch.block && launch.chunk <= FOLD_ROWS
 }
@@ -162,10 +233,11 @@ pub fn partial_value_bytes(x: DataType, launch: &Launch) -> usize {
     }
 }
 
-/// Bytes of weight-gradient partials the backward launches of a call site use: one row of `n`
-/// values per block ([`partial_value_bytes`]: 4 or 8 bytes, 16 for float64 input), for whichever of the vector and scalar plans has more blocks (the
-/// choice depends on buffer alignment, which can change from call to call). None without a
-/// weight, or with nothing to reduce.
+/// Bytes of scratch the backward launches of a call site use ([`backward_scratch`]: the
+/// weight-gradient partials, one row of `n` values per block or cluster, and a cluster launch's
+/// dot-product slots), for whichever of the vector and scalar plans needs more (the choice
+/// depends on buffer alignment, which can change from call to call). None without a weight and
+/// clusters, or with nothing to reduce.
 pub fn backward_scratch_bytes(
     x: DataType,
     n: usize,
@@ -173,16 +245,26 @@ pub fn backward_scratch_bytes(
     rows_per_group: usize,
     sm_count: usize,
     has_weight: bool,
+    max_cluster: usize,
 ) -> usize {
-    if !has_weight || n == 0 || groups == 0 || rows_per_group == 0 {
+    if n == 0 || groups == 0 || rows_per_group == 0 {
         return 0;
     }
     [true, false]
         .into_iter()
         .filter(|&v| !v || n.is_multiple_of(vec_width(x, true)))
         .map(|v| {
-            let l = backward_launch(x, n, groups, rows_per_group, v, sm_count, true);
-            l.grid as usize * n * partial_value_bytes(x, &l)
+            let l = backward_launch(
+                x,
+                n,
+                groups,
+                rows_per_group,
+                v,
+                sm_count,
+                has_weight,
+                max_cluster,
+            );
+            backward_scratch(x, n, &l, has_weight).bytes
         })
         .max()
         .unwrap_or(0)
@@ -206,30 +288,30 @@ mod tests {
         // Long rows: one row per block, every vector cached (nv <= team * 4).
         let l = forward_launch(DataType::F32, 16384, 10, true);
         assert_eq!((l.team, l.block, l.grid), (1024, 1024, 10));
-        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true);
+        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true, 1);
         // 32 rows per block: 128 blocks (no block left without rows).
         assert_eq!(
             (l.team, l.block, l.grid, l.shared_bytes),
             (512, 512, 128, 0)
         );
         assert!(l.chunk * l.grid as i64 >= 4096);
-        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 264, true);
+        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 264, true, 1);
         assert_eq!(l.team, 32);
         // The block's float64 weight-gradient row in shared memory.
         assert_eq!(l.shared_bytes, 1024 * 8);
         assert_eq!(l.grid, 1);
         // Rows whose float64 row would not fit: one team of 512 (several would take 64 KB).
-        let l = backward_launch(DataType::F32, 8192, 1, 100, true, 64, true);
+        let l = backward_launch(DataType::F32, 8192, 1, 100, true, 64, true, 1);
         assert_eq!((l.team, l.shared_bytes), (512, 0));
-        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true);
+        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true, 1);
         assert_eq!((l.team, l.shared_bytes), (128, 4096 * 8));
-        let l = backward_launch(DataType::F64, 2048, 1, 100, true, 64, true);
+        let l = backward_launch(DataType::F64, 2048, 1, 100, true, 64, true, 1);
         assert_eq!((l.team, l.shared_bytes), (256, 2048 * 16));
         // No empty blocks.
-        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true);
+        let l = backward_launch(DataType::F32, 4096, 1, 100, true, 64, true, 1);
         assert!((l.grid as i64 - 1) * l.chunk < 100);
         assert_eq!(
-            backward_launch(DataType::F32, 8, 1, 0, false, 64, true).grid,
+            backward_launch(DataType::F32, 8, 1, 0, false, 64, true, 1).grid,
             1
         );
     }
@@ -237,12 +319,12 @@ mod tests {
     #[test]
     fn batched_weights_take_one_launch_with_whole_groups_per_block() {
         // 4 groups on 132 SMs: 33 blocks per group, chunks never straddle a group.
-        let l = backward_launch(DataType::BF16, 4096, 4, 1024, true, 132, true);
+        let l = backward_launch(DataType::BF16, 4096, 4, 1024, true, 132, true, 1);
         assert_eq!(l.grid, 4 * l.blocks_per_group);
         assert!(l.chunk * l.blocks_per_group as i64 >= 1024);
         assert!((l.blocks_per_group as i64 - 1) * l.chunk < 1024);
         // More groups than SMs: one block per group.
-        let l = backward_launch(DataType::F32, 64, 500, 3, false, 132, true);
+        let l = backward_launch(DataType::F32, 64, 500, 3, false, 132, true, 1);
         assert_eq!((l.grid, l.blocks_per_group, l.chunk), (500, 1, 3));
     }
 
@@ -250,32 +332,33 @@ mod tests {
     fn scratch_is_what_the_launches_use() {
         // 4096 rows of 16384 bf16 on 132 SMs: 128 blocks of 32 rows, float64 partials.
         assert_eq!(
-            backward_scratch_bytes(DataType::BF16, 16384, 1, 4096, 132, true),
+            backward_scratch_bytes(DataType::BF16, 16384, 1, 4096, 132, true, 1),
             128 * 16384 * 8
         );
         // A few rows: one block per team of rows, not one per SM; the scalar plan (teams of
         // 256, two rows per block: 3 blocks) uses more than the vector plan (1 block).
         assert_eq!(
-            backward_scratch_bytes(DataType::F32, 1024, 1, 5, 132, true),
+            backward_scratch_bytes(DataType::F32, 1024, 1, 5, 132, true, 1),
             3 * 1024 * 8
         );
         // float64 input has compensated partials (two float64); no weight, no scratch.
         assert_eq!(
-            backward_scratch_bytes(DataType::F64, 4096, 1, 8, 132, true),
+            backward_scratch_bytes(DataType::F64, 4096, 1, 8, 132, true, 1),
             8 * 4096 * 16
         );
         assert_eq!(
-            backward_scratch_bytes(DataType::F32, 4096, 1, 4096, 132, false),
+            backward_scratch_bytes(DataType::F32, 4096, 1, 4096, 132, false, 1),
             0
         );
         // Huge rows stay within the limit, or take one block (one partial row) if a row alone
         // is over it.
         assert_eq!(
-            backward_scratch_bytes(DataType::F32, 1 << 26, 1, 64, 132, true),
+            backward_scratch_bytes(DataType::F32, 1 << 26, 1, 64, 132, true, 1),
             (1 << 26) * 8
         );
         assert!(
-            backward_scratch_bytes(DataType::F32, 1 << 22, 1, 64, 132, true) <= SCRATCH_LIMIT_BYTES
+            backward_scratch_bytes(DataType::F32, 1 << 22, 1, 64, 132, true, 1)
+                <= SCRATCH_LIMIT_BYTES
         );
     }
 
@@ -283,27 +366,84 @@ mod tests {
     fn few_long_rows_take_narrow_partials() {
         // 2048 rows of 8192 bfloat16: 128 blocks of 16 rows would write 128 float64 rows and
         // fold twice; 256 blocks of 8 write 256 float32 rows (the same bytes), never folded.
-        let l = backward_launch(DataType::BF16, 8192, 1, 2048, true, 132, true);
+        let l = backward_launch(DataType::BF16, 8192, 1, 2048, true, 132, true, 1);
         assert_eq!((l.grid, l.team, l.chunk), (256, 512, 8));
         assert!(narrow_partials(DataType::BF16, &l));
         assert_eq!(
-            backward_scratch_bytes(DataType::BF16, 8192, 1, 2048, 132, true),
+            backward_scratch_bytes(DataType::BF16, 8192, 1, 2048, 132, true, 1),
             256 * 8192 * 4
         );
         // 1024 rows of 16384: 128 blocks of 8 rows as before, now narrow (half the bytes).
-        let l = backward_launch(DataType::BF16, 16384, 1, 1024, true, 132, true);
+        let l = backward_launch(DataType::BF16, 16384, 1, 1024, true, 132, true, 1);
         assert_eq!((l.grid, l.chunk), (128, 8));
         assert_eq!(partial_value_bytes(DataType::BF16, &l), 4);
         // Many rows: the float64 rows of about one block per SM are fewer bytes.
-        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true);
+        let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true, 1);
         assert_eq!((l.grid, l.chunk), (128, 32));
         assert!(!narrow_partials(DataType::BF16, &l));
         // Several teams per block (a shared-memory row) or float64 input: never narrow.
-        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 132, true);
+        let l = backward_launch(DataType::F32, 1024, 1, 5, true, 132, true, 1);
         assert!(!narrow_partials(DataType::F32, &l));
-        let l = backward_launch(DataType::F64, 8192, 1, 4, true, 132, true);
+        let l = backward_launch(DataType::F64, 8192, 1, 4, true, 132, true, 1);
         assert_eq!((l.team, l.chunk), (512, 1));
         assert_eq!(partial_value_bytes(DataType::F64, &l), 16);
+    }
+
+    #[test]
+    fn rows_that_would_stream_split_across_clusters() {
+        // 512 rows of 32768 bfloat16 (4096 vectors; a block caches 2048): clusters of 2, one
+        // block per SM (66 clusters of 8 rows: narrow partials, 66 rows instead of 128).
+        assert_eq!(
+            backward_cluster(DataType::BF16, 32768, true, MAX_CLUSTER),
+            2
+        );
+        let l = backward_launch(DataType::BF16, 32768, 1, 512, true, 132, true, MAX_CLUSTER);
+        assert_eq!((l.cluster, l.team, l.block), (2, 512, 512));
+        assert_eq!((l.grid, l.blocks_per_group, l.chunk), (128, 64, 8));
+        assert!(narrow_partials(DataType::BF16, &l));
+        let s = backward_scratch(DataType::BF16, 32768, &l, true);
+        assert_eq!(s.dots_offset, 64 * 32768 * 4);
+        assert_eq!(s.bytes, s.dots_offset + 128 * 2 * 8);
+        // 65536 bfloat16: clusters of 4; float32 rows of 32768 (8192 vectors, 4096 cached): 2.
+        assert_eq!(
+            backward_cluster(DataType::BF16, 65536, true, MAX_CLUSTER),
+            4
+        );
+        assert_eq!(backward_cluster(DataType::F32, 32768, true, MAX_CLUSTER), 2);
+        // Rows a block caches, no clusters on the device, the scalar path, rows of no whole
+        // slices (40000 bfloat16: 5000 vectors, slices of 2500 or 1250 too many for 2, 4 fits)
+        // and rows too long for 8 blocks.
+        assert_eq!(
+            backward_cluster(DataType::BF16, 16384, true, MAX_CLUSTER),
+            1
+        );
+        assert_eq!(backward_cluster(DataType::BF16, 32768, true, 1), 1);
+        assert_eq!(
+            backward_cluster(DataType::BF16, 32768, false, MAX_CLUSTER),
+            1
+        );
+        assert_eq!(
+            backward_cluster(DataType::BF16, 40000, true, MAX_CLUSTER),
+            4
+        );
+        assert_eq!(
+            backward_cluster(DataType::BF16, 40008, true, MAX_CLUSTER),
+            1
+        );
+        assert_eq!(
+            backward_cluster(DataType::BF16, 1 << 20, true, MAX_CLUSTER),
+            1
+        );
+        // Without a weight a cluster launch still needs its dot-product slots.
+        assert_eq!(
+            backward_scratch_bytes(DataType::BF16, 32768, 1, 512, 132, false, MAX_CLUSTER),
+            128 * 2 * 8
+        );
+        // Batched weights: clusters per group, the grid a multiple of the cluster.
+        let l = backward_launch(DataType::F32, 32768, 3, 40, true, 132, true, MAX_CLUSTER);
+        assert_eq!(l.cluster, 2);
+        assert_eq!(l.grid, 3 * l.blocks_per_group * 2);
+        assert!(l.chunk * l.blocks_per_group as i64 >= 40);
     }
 
     /// The launches `make gpu-traffic` emulated and its table describes (written by
@@ -334,7 +474,16 @@ mod tests {
             let (n, rows) = (field("n"), field("rows"));
             assert_eq!(vectorized, can_vectorize(x, n, &[0]), "{line}");
             if kind == "bwd" {
-                let l = backward_launch(x, n, 1, rows, vectorized, field("sms"), true);
+                let l = backward_launch(
+                    x,
+                    n,
+                    1,
+                    rows,
+                    vectorized,
+                    field("sms"),
+                    true,
+                    field("max_cluster"),
+                );
                 let want = (
                     l.grid as usize,
                     l.block as usize,
@@ -342,6 +491,7 @@ mod tests {
                     l.shared_bytes as usize,
                     l.chunk as usize,
                     l.blocks_per_group as usize,
+                    l.cluster as usize,
                 );
                 let got = (
                     field("grid"),
@@ -350,6 +500,7 @@ mod tests {
                     field("shared"),
                     field("chunk"),
                     field("blocks_per_group"),
+                    field("cluster"),
                 );
                 assert_eq!(got, want, "{line}");
             } else {

@@ -3,7 +3,8 @@
 //! - The **module** (the compiled kernels loaded into a device's primary context, ~640 KB) is
 //!   loaded once per CUDA device per process and shared by every state of every call site: it
 //!   is the same code for all of them. It stays loaded for the life of the process.
-//! - The **scratch** (the backward's weight-gradient partials) belongs to one state on one
+//! - The **scratch** (the backward's weight-gradient partials, and a cluster launch's
+//!   dot-product slots) belongs to one state on one
 //!   device: two executables may run on different streams of a device at once, so states must
 //!   not share it. It is sized to what the call site's launches use, and its address stays
 //!   fixed for the life of the state (CUDA graphs that captured a launch keep using it).
@@ -19,6 +20,7 @@ use once_cell::sync::{Lazy, OnceCell};
 
 use super::driver::{self, CaptureStatus, DeviceAllocation, Module, StreamDevice};
 use super::kernels;
+use super::plan;
 use xla_ffi_bundles::ffi::{FfiError, FfiResult, Stage, Stream};
 use xla_ffi_bundles::state::LiveState;
 
@@ -51,6 +53,9 @@ pub struct DeviceSlot {
     pub module: Arc<Module>,
     pub scratch: Option<DeviceAllocation>,
     pub sm_count: usize,
+    /// Most blocks per thread block cluster the device's launches may take (plan.rs's
+    /// `max_cluster`): [`plan::MAX_CLUSTER`] where it has clusters, else 1.
+    pub max_cluster: usize,
 }
 
 impl DeviceSlot {
@@ -71,7 +76,7 @@ pub struct DeviceSlots {
 impl DeviceSlots {
     /// The resources for the call's `stream` on `device`, acquired now if this is the first
     /// call there (`stage` says which stage did, for `stats()`): the shared module and
-    /// `scratch_bytes(sm_count)` (0: none) of scratch.
+    /// `scratch_bytes(sm_count, max_cluster)` (0: none) of scratch.
     ///
     /// Acquiring is not legal while the stream is being captured into a CUDA graph (XLA runs
     /// initialize before it records, so this only happens if it did not): then this fails with
@@ -82,7 +87,7 @@ impl DeviceSlots {
         stream: Stream,
         device: &StreamDevice,
         stage: Stage,
-        scratch_bytes: impl FnOnce(usize) -> usize,
+        scratch_bytes: impl FnOnce(usize, usize) -> usize,
     ) -> FfiResult<Cell<DeviceSlot>> {
         let cell = match self.by_device.get(&device.device) {
             Some(c) => c.clone(),
@@ -104,8 +109,14 @@ impl DeviceSlots {
         }
         cell.get_or_try_init(|| -> FfiResult<DeviceSlot> {
             let module = module_for(device.device)?;
-            let sm_count = driver::cuda()?.sm_count(device.device)?.max(1) as usize;
-            let scratch_bytes = scratch_bytes(sm_count);
+            let cuda = driver::cuda()?;
+            let sm_count = cuda.sm_count(device.device)?.max(1) as usize;
+            let max_cluster = if cuda.has_clusters(device.device)? {
+                plan::MAX_CLUSTER
+            } else {
+                1
+            };
+            let scratch_bytes = scratch_bytes(sm_count, max_cluster);
             let scratch = if scratch_bytes > 0 {
                 Some(DeviceAllocation::new(&module, scratch_bytes)?)
             } else {
@@ -119,6 +130,7 @@ impl DeviceSlots {
                 module,
                 scratch,
                 sm_count,
+                max_cluster,
             })
         })?;
         if !cell.get().is_some_and(|slot| slot.module.serves(device)) {

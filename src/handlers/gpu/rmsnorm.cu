@@ -544,10 +544,11 @@ __device__ __forceinline__ void fold_rows(Wide<A>* wrow, A (&acc)[VPT][VEC], int
   }
 }
 
-// The block's narrow partial row: n float32 where the Wide row would be (rmsnorm_bwd_impl).
+// The block's narrow partial row: n float32 where the Wide row would be (rmsnorm_bwd_impl), of
+// its cluster `unit` (the block without clusters), from the block's first column `col0`.
 template <typename A, typename S>
-__device__ __forceinline__ A* narrow_row(S* partial, int n) {
-  return reinterpret_cast<A*>(opaque(partial)) + (i64)blockIdx.x * n;
+__device__ __forceinline__ A* narrow_row(S* partial, i64 unit, int n, int col0) {
+  return reinterpret_cast<A*>(opaque(partial)) + unit * n + col0;
 }
 
 // Writes a one-team block's weight-gradient sums (acc, in A: at most FOLD_ROWS rows, never
@@ -618,6 +619,84 @@ __device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
   store_pack<T, VEC>(dxr, v, out);
 }
 
+// Thread block clusters (sm_90; plan.rs's `cluster`): the blocks of a cluster share each row
+// of their chunk, block `cluster_rank()` of `cluster_blocks()` owning one slice of its columns.
+// Without a cluster launch (and on sm_80, which has none) a block is a cluster of one. The
+// emulator runs a cluster's blocks together and switches between them at cluster_sync.
+__device__ __forceinline__ int cluster_blocks() {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return (int)r;
+#elif defined(__CUDACC_RTC__)
+  return 1;
+#else
+  return emu_cluster_blocks();  // host emulator (tests only)
+#endif
+}
+__device__ __forceinline__ int cluster_rank() {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return (int)r;
+#elif defined(__CUDACC_RTC__)
+  return 0;
+#else
+  return emu_cluster_rank();
+#endif
+}
+// Every thread of every block of the cluster waits for all the others; the global memory each
+// wrote before it (release) is visible to all after it (acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#elif defined(__CUDACC_RTC__)
+  __syncthreads();
+#else
+  emu_cluster_sync();
+#endif
+}
+// A 64-bit word another block of the cluster wrote before the last cluster_sync: a relaxed
+// load at cluster scope, which L1 (not coherent between multiprocessors) cannot answer from a
+// line it holds from an earlier row.
+__device__ __forceinline__ unsigned long long load_cluster_word(const unsigned long long* p) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  unsigned long long v;
+  asm volatile("ld.relaxed.cluster.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return *(const volatile unsigned long long*)p;
+#endif
+}
+
+// The dot product of a row split across a cluster: each block's sum over its columns (`dot`,
+// already the same in all its threads) is written to its slot of `slots` (one per block of
+// the cluster), and after a cluster barrier every thread adds all the slots in rank order,
+// so every block of the cluster has the same bits. Two sets of slots alternate between rows
+// (the caller's parity): a block writes a row's slot only after the barrier of the row before,
+// which every block passes only once it has read the slots of the row before that.
+template <typename S>
+__device__ __forceinline__ S cluster_dot(S dot, S* slots, int rank, int size) {
+  if (threadIdx.x == 0) {
+    EMU_GLOBAL(slots + rank, true);
+    slots[rank] = dot;
+  }
+  cluster_sync();
+  S total = S::zero();
+  for (int q = 0; q < size; ++q) {
+    EMU_GLOBAL(slots + q, false);
+    unsigned long long words[sizeof(S) / 8];
+    const unsigned long long* from = reinterpret_cast<const unsigned long long*>(slots + q);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(S) / 8); ++i) words[i] = load_cluster_word(from + i);
+    S s;
+    memcpy(&s, words, sizeof(S));
+    total.merge(s);
+  }
+  return total;
+}
+
 // ------------------------------------------------------------------------------------------
 // Backward: g = dy * (offset + w); dx = rstd * g - x * rstd^3 / n * sum(g * x) (+ dh);
 // dw += dy * x * rstd (the gradient with respect to w: the offset does not enter it).
@@ -625,14 +704,21 @@ __device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
 // * chunk, ...) up to chunk rows within the group, with the weight row w + g * n, and writes
 // partial[b * n ...] (when w). A non-null `dh` (x's shape) is added to dx in A before its one
 // rounding (see store_dx).
+// CLUSTER (the `_c` kernels, launched in clusters of C blocks on sm_90): "block b" above is
+// cluster b; its C blocks share every row of the chunk, block q taking columns [q n / C,
+// (q + 1) n / C) (its slice: cached, where a whole row would stream), and the row's dot
+// product is the sum of the C slices' (cluster_dot, through `dots`: 2 C Wide slots per
+// cluster). The cluster writes one partial row, each block its slice of it: C times fewer
+// partial rows than blocks, while every multiprocessor has a block (docs/gpu-traffic.md).
 // ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT>
+template <typename T, typename W, int VEC, int VPT, bool CLUSTER>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
                                                  const typename Elem<T>::Acc* __restrict__ rstd,
                                                  const T* __restrict__ dy,
                                                  const T* __restrict__ dh, T* __restrict__ dx,
                                                  Wide<typename Elem<T>::Acc>* __restrict__ partial,
-                                                 int n, int team, float offset, i64 chunk,
+                                                 Wide<typename Elem<T>::Acc>* dots, int n,
+                                                 int team, float offset, i64 chunk,
                                                  i64 rows_per_group, i64 blocks_per_group) {
   typedef typename Elem<T>::Acc A;
   typedef Wide<A> S;
@@ -646,17 +732,23 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   const int teams = blockDim.x / team;
   const int team_id = threadIdx.x / team;
   const int lane = threadIdx.x % team;
-  const int nv = n / VEC;
+  // The cluster (CLUSTER) or the block that owns the chunk, and the block's columns: the
+  // packs [col0 / VEC, col0 / VEC + nv) of each row (all of them without clusters).
+  const int csize = CLUSTER ? cluster_blocks() : 1;
+  const int crank = CLUSTER ? cluster_rank() : 0;
+  const i64 unit = CLUSTER ? (i64)blockIdx.x / csize : (i64)blockIdx.x;
+  const int nv = n / VEC / csize;
+  const int col0 = crank * nv * VEC;
   const bool cached = nv <= team * VPT;
   const int fold_packs = FOLD_ELEMS / VEC;
   // A float64 multiply in the row loop, not a division: the division's subroutine needs
   // registers that the cached rows hold (it made the float32 kernel spill).
   const double inv_n = 1.0 / (double)n;
-  const i64 group = (i64)blockIdx.x / blocks_per_group;
+  const i64 group = unit / blocks_per_group;
   const i64 group_first = group * rows_per_group;
-  const i64 first = group_first + ((i64)blockIdx.x % blocks_per_group) * chunk;
+  const i64 first = group_first + (unit % blocks_per_group) * chunk;
   const i64 last = min(group_first + rows_per_group, first + chunk);
-  const W* wg = w ? w + group * n : nullptr;
+  const W* wg = w ? w + group * n + col0 : nullptr;
   // Narrow partials: a block of one team (long rows) with at most FOLD_ROWS rows sums each
   // column in A only (its float32 acc, never folded into the float64 level), and a float32 holds
   // that sum exactly: its partial row is n float32, half the bytes, and the finalize's float64
@@ -665,7 +757,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   // The narrow row's address is computed where it is used (`narrow_row`): one more pointer held
   // through the row loop made the kernels spill.
   const bool narrow = partial && sizeof(A) == 4 && teams == 1 && chunk <= FOLD_ROWS;
-  S* prow = partial && !narrow ? partial + (i64)blockIdx.x * n : nullptr;
+  S* prow = partial && !narrow ? partial + unit * n + col0 : nullptr;
   A acc[VPT][VEC];
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
@@ -673,15 +765,15 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     for (int e = 0; e < VEC; ++e) acc[k][e] = A(0);
   if (prow && !cached) {
     // Streaming path (one team per block): each row's terms go straight into the partial row.
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
       EMU_GLOBAL(prow + c, true);
       prow[c] = S::zero();
     }
     __syncthreads();
   }
   if (narrow && !cached) {
-    A* nrow = narrow_row<A>(partial, n);
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    A* nrow = narrow_row<A>(partial, unit, n, col0);
+    for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
       EMU_GLOBAL(nrow + c, true);
       nrow[c] = A(0);
     }
@@ -691,9 +783,9 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   for (i64 base = first; base < last; base += teams) {
     const i64 row = base + team_id;
     const bool valid = row < last;
-    const T* xr = x + row * n;
-    const T* dyr = dy + row * n;
-    T* dxr = dx + row * n;
+    const T* xr = x + row * n + col0;
+    const T* dyr = dy + row * n + col0;
+    T* dxr = dx + row * n + col0;
     if (valid) EMU_GLOBAL(rstd + row, false);
     const A r = valid ? rstd[row] : A(0);
     S dot = S::zero();
@@ -750,6 +842,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     }
     dot.add(part);
     dot = team_sum(dot, team, red);
+    if (CLUSTER)
+      dot = cluster_dot(dot, dots + (unit * 2 + ((base - first) & 1)) * csize, crank, csize);
     if (valid) {
       // rstd^3 * sum(g * x) / n in float64, rounded once.
       const double rd = (double)r;
@@ -757,7 +851,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       // dh's row, computed here rather than with x's, dy's and dx's at the top of the row loop:
       // held through the loop it spilled more (float32 x with a float64 weight, sm_80: 56/148
       // bytes of spill stores/loads against 40/132).
-      const T* dhr = dh ? dh + row * n : nullptr;
+      const T* dhr = dh ? dh + row * n + col0 : nullptr;
       if (cached) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -799,7 +893,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
                 EMU_GLOBAL(prow + v * VEC + e, true);
                 prow[v * VEC + e].add(ga * xa * r);
               } else if (narrow) {
-                A* nrow = narrow_row<A>(partial, n);
+                A* nrow = narrow_row<A>(partial, unit, n, col0);
                 EMU_GLOBAL(nrow + v * VEC + e, false);
                 EMU_GLOBAL(nrow + v * VEC + e, true);
                 nrow[v * VEC + e] += ga * xa * r;
@@ -818,13 +912,14 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
       fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
                              nv, iterations == FOLD_ROWS);
   }
-  if (narrow && cached) store_narrow<A, VEC, VPT>(narrow_row<A>(partial, n), acc, team, lane, nv);
+  if (narrow && cached)
+    store_narrow<A, VEC, VPT>(narrow_row<A>(partial, unit, n, col0), acc, team, lane, nv);
   if (!prow || !cached) return;
   if (iterations % FOLD_ROWS != 0 || iterations == 0)
     fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane, nv,
                            iterations < FOLD_ROWS);
   if (teams > 1)  // the last fold ended with a barrier: every team's sums are in
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
       EMU_GLOBAL(prow + c, true);
       prow[c] = weight_row(smem_raw, prow, teams)[c];
     }
@@ -898,9 +993,10 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 
 // ------------------------------------------------------------------------------------------
 // Entry points, stamped per (x dtype, weight dtype, vector width). Names:
-//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s>, rmsnorm_residual_fwd_<x>_w<w>_<v|s>,
-//   rmsnorm_bwd_finalize_<acc>_w<w>
-// `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses.
+//   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s|c>,
+//   rmsnorm_residual_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>
+// `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses, `c`:
+// the vector backward split across the blocks of a cluster (CLUSTER; `dots` null elsewhere).
 // A null `w` means no weight; `offset` is the scale offset (-0.0 for none: weight_of), `dh` the
 // backward's added gradient (null for none: store_dx). VPT (vectors cached per thread): forward 4 (blocks up to 1024
 // threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
@@ -923,22 +1019,26 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
                                            offset, rows_per_group);                         \
   }
 
-#define BWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
+#define BWD_ENTRY(NAME, T, W, VEC, VPT, CLUSTER)                                              \
   extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
       const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, const T* dh, T* dx,     \
-      Wide<Elem<T>::Acc>* partial, int n, int team, float offset, i64 chunk,                 \
-      i64 rows_per_group, i64 blocks_per_group) {                                            \
-    rmsnorm_bwd_impl<T, W, VEC, VPT>(x, w, rstd, dy, dh, dx, partial, n, team, offset,       \
-                                     chunk, rows_per_group, blocks_per_group);               \
+      Wide<Elem<T>::Acc>* partial, Wide<Elem<T>::Acc>* dots, int n, int team, float offset,  \
+      i64 chunk, i64 rows_per_group, i64 blocks_per_group) {                                 \
+    rmsnorm_bwd_impl<T, W, VEC, VPT, CLUSTER>(x, w, rstd, dy, dh, dx, partial, dots, n,      \
+                                              team, offset, chunk, rows_per_group,           \
+                                              blocks_per_group);                             \
   }
 
 #define STAMP(XN, T, WN, W)                                                                   \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                          \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
-  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4)) \
-  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
+            false)                                                                            \
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4, false)                                  \
   RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                 \
-  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                \
+  BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_c, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
+            true)
 
 #define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
   extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \

@@ -8,7 +8,8 @@
 // fails when threads arrive from different call sites or a thread exits while others wait),
 // __shfl_xor_sync (an exchange that requires a full mask and all 32 lanes at the same call
 // site), static __shared__ storage per block (poisoned with NaN bytes before every block),
-// dynamic shared memory, uint2/uint4, __ldg (alignment checked), the bit casts, and
+// dynamic shared memory, thread block clusters (a cluster's blocks run together, switching at
+// the cluster barrier, each with its own copy of the static shared memory), uint2/uint4, __ldg (alignment checked), the bit casts, and
 // __launch_bounds__ (read into the kernel table by build.rs). What is not: the two inline-PTX
 // half conversions (rmsnorm.cu uses emu_half_to_float / emu_float_to_half_rn instead, tested
 // against the `half` crate bit for bit), FMA contraction (the host code has none), memory
@@ -39,6 +40,13 @@ void sync_block(int line);
 // Deposits `bits` (up to 8 bytes) for lane `lane ^ lane_mask` to read, waits for the warp.
 uint64_t exchange_xor(unsigned mask, uint64_t bits, int lane_mask, int line);
 unsigned char* dynamic_shared();
+// Thread block clusters (emu_run_grid's `cluster`: consecutive blockIdx.x, 1 when the launch
+// has none): the block's rank in its cluster, the cluster's blocks, and the cluster barrier,
+// where every thread of the cluster's blocks waits for all the others (the emulator switches
+// between the cluster's blocks there, and only there).
+int cluster_rank();
+int cluster_blocks();
+void sync_cluster(int line);
 
 template <typename T>
 inline T shfl_xor_sync(unsigned mask, T v, int lane_mask, int line) {
@@ -173,3 +181,6 @@ inline unsigned short emu_float_to_half_rn(float f) {
 }
 
 inline unsigned char* emu_dynamic_shared() { return ::emu::dynamic_shared(); }
+inline int emu_cluster_rank() { return ::emu::cluster_rank(); }
+inline int emu_cluster_blocks() { return ::emu::cluster_blocks(); }
+#define emu_cluster_sync() ::emu::sync_cluster(__LINE__)

@@ -96,7 +96,7 @@ const emu::Kernel* g_kernels = nullptr;
 int g_kernel_count = 0;
 std::string g_last_error;
 long g_launches = 0, g_module_loads = 0, g_guard_failures = 0, g_driver_bytes = 0,
-     g_driver_allocations = 0;
+     g_driver_allocations = 0, g_cluster_launches = 0;
 
 int env_int(const char* name, int fallback) {
   const char* v = getenv(name);
@@ -108,8 +108,8 @@ void report(const std::string& message) {
   fprintf(stderr, "fake libcuda: %s\n", message.c_str());
 }
 
-int (*g_run_grid)(const emu::Kernel*, emu::Dim, emu::Dim, unsigned, const unsigned char*, uint64_t,
-                  char*, size_t) = nullptr;
+int (*g_run_grid)(const emu::Kernel*, emu::Dim, emu::Dim, unsigned, unsigned,
+                  const unsigned char*, uint64_t, char*, size_t) = nullptr;
 
 bool use_kernels(const char* path) {
   void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -429,15 +429,16 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, void* function
   return CUDA_SUCCESS;
 }
 
-CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                        unsigned by, unsigned bz, unsigned shared, void* stream, void** params,
-                        void** extra) {
+// cuLaunchKernel and cuLaunchKernelEx: `cluster` blocks per cluster along x (1: none).
+CUresult launch(const char* api, void* function, unsigned gx, unsigned gy, unsigned gz,
+                unsigned bx, unsigned by, unsigned bz, unsigned cluster, unsigned shared,
+                void* stream, void** params, void** extra) {
   std::lock_guard<std::recursive_mutex> lock(g_mutex);
   const Function* f = (const Function*)function;
   const emu::Kernel* k = kernel_named(f->name.c_str());
   Context* ctx = current();
   auto refuse = [&](CUresult code, const std::string& why) {
-    report("cuLaunchKernel(" + f->name + "): " + why);
+    report(std::string(api) + "(" + f->name + "): " + why);
     return code;
   };
   if (!k) return refuse(CUDA_ERROR_NOT_FOUND, "the kernels in use have no such kernel");
@@ -462,6 +463,14 @@ CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, u
                       std::to_string(k->max_threads) + ")");
   if (gx > 2147483647u || gy > 65535 || gz > 65535)
     return refuse(CUDA_ERROR_INVALID_VALUE, "grid exceeds sm_90's limits");
+  // Clusters: at most 8 blocks (the portable size, without cuFuncSetAttribute's
+  // NON_PORTABLE_CLUSTER_SIZE_ALLOWED), a divisor of the grid, on as many SMs as blocks.
+  if (cluster == 0 || cluster > 8 || gx % cluster != 0)
+    return refuse(CUDA_ERROR_INVALID_VALUE, "a cluster of " + std::to_string(cluster) +
+                                                " blocks in a grid of " + std::to_string(gx));
+  if (cluster > (unsigned)g_sms)
+    return refuse(CUDA_ERROR_INVALID_VALUE, "a cluster of " + std::to_string(cluster) +
+                                                " blocks on " + std::to_string(g_sms) + " SMs");
   if (shared > kMaxDynamicShared)
     return refuse(CUDA_ERROR_INVALID_VALUE,
                   std::to_string(shared) + " bytes of dynamic shared memory, over the 48 KB "
@@ -493,12 +502,60 @@ CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, u
   }
   ++g_launches;
   char message[1024] = {0};
-  const int rc = g_run_grid(k, emu::Dim{gx, gy, gz}, emu::Dim{bx, by, bz}, shared, packed.data(),
-                            g_seed * 1000003u + (uint64_t)g_launches, message, sizeof message);
+  if (cluster > 1) ++g_cluster_launches;
+  const int rc = g_run_grid(k, emu::Dim{gx, gy, gz}, emu::Dim{bx, by, bz}, cluster, shared,
+                            packed.data(), g_seed * 1000003u + (uint64_t)g_launches, message,
+                            sizeof message);
   const int bad = check_guards(("a launch of " + f->name).c_str());
   if (rc != 0) return refuse(CUDA_ERROR_LAUNCH_FAILED, message);
   if (bad) return CUDA_ERROR_ILLEGAL_ADDRESS;
   return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shared, void* stream, void** params,
+                        void** extra) {
+  return launch("cuLaunchKernel", function, gx, gy, gz, bx, by, bz, 1, shared, stream, params,
+                extra);
+}
+
+// cuda.h's CUlaunchConfig and CUlaunchAttribute (CUDA 12.0 and later).
+struct CUlaunchAttribute {
+  int id;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+  char pad[4];
+  union {
+    char bytes[64];
+    struct {
+      unsigned x, y, z;
+    } cluster_dim;
+  } value;
+};
+struct CUlaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+  void* stream;
+  CUlaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(CUlaunchAttribute) == 72, "cuda.h's CUlaunchAttribute");
+static_assert(sizeof(CUlaunchConfig) == 56, "cuda.h's CUlaunchConfig");
+
+// Only the cluster dimension is known (along x: y and z must be 1); any other attribute fails.
+CUresult cuLaunchKernelEx(const CUlaunchConfig* config, void* function, void** params,
+                          void** extra) {
+  if (!config) return CUDA_ERROR_INVALID_VALUE;
+  unsigned cluster = 1;
+  for (unsigned i = 0; i < config->num_attrs; ++i) {
+    const CUlaunchAttribute& a = config->attrs[i];
+    if (a.id == 0) continue;  // CU_LAUNCH_ATTRIBUTE_IGNORE
+    if (a.id != 4 || a.value.cluster_dim.y != 1 || a.value.cluster_dim.z != 1) {
+      report("cuLaunchKernelEx: attribute " + std::to_string(a.id) + " is not modelled");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    cluster = a.value.cluster_dim.x;
+  }
+  return launch("cuLaunchKernelEx", function, config->grid_x, config->grid_y, config->grid_z,
+                config->block_x, config->block_y, config->block_z, cluster, config->shared,
+                config->stream, params, extra);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -544,13 +601,14 @@ int emu_use_kernels(const char* path) {
 }
 
 // Counters: launches, module loads, guard failures, driver bytes held, driver allocations made,
-// test buffers and driver allocations outstanding, primary-context retains.
+// test buffers and driver allocations outstanding, primary-context retains, cluster launches.
 void emu_counters(long* out, int count) {
   std::lock_guard<std::recursive_mutex> lock(g_mutex);
   long retains = 0;
   for (auto& c : g_contexts) retains += c.retains;
   const long values[] = {g_launches, g_module_loads, g_guard_failures, g_driver_bytes,
-                         g_driver_allocations, (long)g_allocations.size(), retains};
+                         g_driver_allocations, (long)g_allocations.size(), retains,
+                         g_cluster_launches};
   for (int i = 0; i < count && i < (int)(sizeof values / sizeof values[0]); ++i) out[i] = values[i];
 }
 

@@ -49,8 +49,9 @@ void __tsan_release(void* addr);
 // pass them together, so the accesses between two of them are the same instructions).
 namespace emu {
 bool traffic_run_block(uint64_t linear, uint64_t total);
-void traffic_block_begin(int threads);
-void traffic_block_end();
+void traffic_block_begin(int slot, int threads);
+void traffic_block_switch(int slot);
+void traffic_block_end(int slot);
 void traffic_sync();
 }  // namespace emu
 #endif
@@ -67,7 +68,7 @@ thread_local dim3 t_grid_dim;
 
 namespace {
 
-enum class State : int { Runnable, Barrier, Shuffle, Exited, Failed };
+enum class State : int { Runnable, Barrier, Shuffle, Cluster, Exited, Failed };
 
 struct Fiber {
   ucontext_t context;
@@ -115,8 +116,17 @@ constexpr size_t kStackBytes = 64 * 1024;
 #endif
 constexpr size_t kGuardBytes = 64;
 
+// One block of the running cluster (a cluster of one without clusters): its fibers and their
+// scheduler.
 struct Run {
   const Kernel* kernel = nullptr;
+  dim3 bid{0, 0, 0};
+  int rank = 0;      // in the cluster
+  int cluster = 1;   // blocks in the cluster
+  int* cluster_token = nullptr;  // TSan's synchronization object for the cluster barrier
+  std::vector<char> shared_copy;  // the block's static shared memory while another block runs
+  int at_cluster = 0;
+  int cluster_line = 0;
   const unsigned char* params = nullptr;
   std::vector<Fiber> fibers;
   ucontext_t scheduler;
@@ -198,7 +208,7 @@ void fiber_main() {
 #if EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_bottom, &run.scheduler_stack_size);
 #endif
-  // The first switch into every fiber for a block only starts it (see run_block): kernel code
+  // The first switch into every fiber for a block only starts it (see begin_block): kernel code
   // runs from the second one on. A fiber that finished a block waits at the end of the loop
   // and takes the next block of the launch from the top, so later blocks cost no new contexts
   // (getcontext/makecontext/swapcontext make system calls for the signal mask: they were most
@@ -276,8 +286,36 @@ void arrived(Run& run, int id) {
         fail_run(run, where(f) + format(": exited while %d lanes of its warp wait at a shuffle "
                                         "(line %d)",
                                         run.warp_arrivals[w], run.warp_line[w]));
+      if (run.at_cluster > 0)
+        fail_run(run, where(f) + format(": exited while %d threads of its block wait at the "
+                                        "cluster barrier (line %d)",
+                                        run.at_cluster, run.cluster_line));
       return;
+    case State::Cluster: {
+      if (run.warp_arrivals[w] > 0 || run.at_barrier > 0) {
+        fail_run(run, where(f) + format(": at the cluster barrier (line %d) while threads of its "
+                                        "block wait at __syncthreads or a shuffle",
+                                        line));
+        return;
+      }
+      if (run.at_cluster == 0) {
+        run.cluster_line = line;
+      } else if (line != run.cluster_line) {
+        fail_run(run, where(f) + format(": reached the cluster barrier at line %d while other "
+                                        "threads of its block wait at the one at line %d",
+                                        line, run.cluster_line));
+        return;
+      }
+      ++run.at_cluster;  // released by the grid loop once every block of the cluster is here
+      return;
+    }
     case State::Barrier: {
+      if (run.at_cluster > 0) {
+        fail_run(run, where(f) + format(": at __syncthreads (line %d) while threads of its block "
+                                        "wait at the cluster barrier (line %d)",
+                                        line, run.cluster_line));
+        return;
+      }
       if (run.warp_arrivals[w] > 0)
         fail_run(run, where(f) + format(": at __syncthreads (line %d) while lanes of its warp "
                                         "wait at a shuffle (line %d)",
@@ -302,14 +340,17 @@ void arrived(Run& run, int id) {
       return;
     }
     case State::Shuffle: {
-      if (run.at_barrier > 0) {
-        for (int i = w * 32; i < w * 32 + 32 && i < run.threads; ++i)
-          if ((State)run.fibers[i].state.load(std::memory_order_relaxed) == State::Barrier) {
+      if (run.at_barrier > 0 || run.at_cluster > 0) {
+        for (int i = w * 32; i < w * 32 + 32 && i < run.threads; ++i) {
+          const State other = (State)run.fibers[i].state.load(std::memory_order_relaxed);
+          if (other == State::Barrier || other == State::Cluster) {
             fail_run(run, where(f) + format(": at a shuffle (line %d) while a lane of its warp "
-                                            "waits at __syncthreads (line %d)",
-                                            line, run.barrier_line));
+                                            "waits at a barrier (line %d)",
+                                            line, other == State::Barrier ? run.barrier_line
+                                                                          : run.cluster_line));
             return;
           }
+        }
       }
       if (run.warp_arrivals[w] == 0) {
         run.warp_line[w] = line;
@@ -343,8 +384,8 @@ void arrived(Run& run, int id) {
 }
 
 std::string pending(const Run& run) {
-  std::string s = format("%d of %d threads live, %d at __syncthreads", run.live, run.threads,
-                         run.at_barrier);
+  std::string s = format("%d of %d threads live, %d at __syncthreads, %d at the cluster barrier",
+                         run.live, run.threads, run.at_barrier, run.at_cluster);
   for (size_t w = 0; w < run.warp_arrivals.size(); ++w)
     if (run.warp_arrivals[w] > 0)
       s += format("; warp %zu: %d lanes at the shuffle of line %d", w, run.warp_arrivals[w],
@@ -358,16 +399,18 @@ void poison_shared() {
   if (start && stop && stop > start) memset(start, 0xff, (size_t)(stop - start));
 }
 
-// Runs block `bid` to completion (or to its first error).
-void run_block(Run& run, dim3 bid) {
+// Makes block `bid` ready to run: fresh (or reused) fibers, poisoned shared memory.
+void begin_block(Run& run, dim3 bid) {
+  run.bid = bid;
   t_block_idx = bid;
 #if defined(EMU_TRAFFIC)
-  traffic_block_begin(run.threads);
+  traffic_block_begin(run.rank, run.threads);
 #endif
-  poison_shared();
+  poison_shared();  // a cluster's other blocks keep theirs in shared_copy (leave)
   memset(run.dynamic, 0xff, run.dynamic_bytes + kGuardBytes);
   run.live = run.threads;
   run.at_barrier = 0;
+  run.at_cluster = 0;
   run.queue.clear();
   run.head = 0;
   for (size_t w = 0; w < run.warp_live.size(); ++w) {
@@ -395,19 +438,35 @@ void run_block(Run& run, dim3 bid) {
   std::vector<int> all(run.threads);
   for (int i = 0; i < run.threads; ++i) all[i] = i;
   enqueue_shuffled(run, all);
+}
+
+// Runs the block's runnable fibers until none is: the block exited, waits at the cluster
+// barrier (every live thread there), or is deadlocked (an error).
+void step_block(Run& run) {
   while (!run.failed) {
     if (run.head == run.queue.size()) {
-      if (run.live > 0) fail_run(run, "deadlock: " + pending(run));
+      if (run.live > 0 && run.at_cluster != run.live)
+        fail_run(run, "deadlock: " + pending(run));
       break;
     }
     const int id = run.queue[run.head++];
-#if EMU_TSAN
-    const State before = (State)run.fibers[id].state.load(std::memory_order_relaxed);
-    (void)before;
-#endif
     switch_to(run, id, false);
     arrived(run, id);
   }
+}
+
+// Lets the block's threads past the cluster barrier.
+void release_cluster(Run& run) {
+  std::vector<int> waiting;
+  for (int i = 0; i < run.threads; ++i)
+    if ((State)run.fibers[i].state.load(std::memory_order_relaxed) == State::Cluster)
+      waiting.push_back(i);
+  run.at_cluster = 0;
+  enqueue_shuffled(run, waiting);
+}
+
+// Checks the block's guard bytes and lets its fibers take the next block.
+void end_block(Run& run) {
 #if !EMU_UCONTEXT_ONLY
   run.reusable = !run.failed;  // every fiber exited normally: each waits for the next block
 #endif
@@ -415,15 +474,75 @@ void run_block(Run& run, dim3 bid) {
     if (i >= run.dynamic_bytes && run.dynamic[i] != 0xff) {
       fail_run(run, format("block (%u,%u,%u) wrote past the end of its %zu bytes of dynamic shared "
                            "memory (byte %zu)",
-                           bid.x, bid.y, bid.z, run.dynamic_bytes, i));
+                           run.bid.x, run.bid.y, run.bid.z, run.dynamic_bytes, i));
       break;
     }
 #if EMU_TSAN
   for (int i = 0; i < run.threads; ++i) __tsan_destroy_fiber(run.fibers[i].tsan);
 #endif
 #if defined(EMU_TRAFFIC)
-  traffic_block_end();
+  traffic_block_end(run.rank);
 #endif
+}
+
+// Makes `run` the running block of its cluster (its static shared memory in place), and back.
+// Written only when they change (a cluster's other block): without clusters the scheduler never
+// writes what the running fibers read between their switches (ThreadSanitizer, which sees no
+// synchronization in those switches, would report it; its sweep has no cluster launches).
+void enter(Run& run) {
+  if (t_run != &run) t_run = &run;
+  const dim3& b = t_block_idx;
+  if (b.x != run.bid.x || b.y != run.bid.y || b.z != run.bid.z) t_block_idx = run.bid;
+  if (run.cluster > 1) {
+    char* start = __start_emu_shared;
+    if (start) memcpy(start, run.shared_copy.data(), run.shared_copy.size());
+  }
+#if defined(EMU_TRAFFIC)
+  traffic_block_switch(run.rank);
+#endif
+}
+void leave(Run& run) {
+  if (run.cluster > 1) {
+    const char* start = __start_emu_shared;
+    if (start) memcpy(run.shared_copy.data(), start, run.shared_copy.size());
+  }
+}
+
+// Runs the blocks of one cluster (`runs`, begun) to completion: each in turn, in a shuffled
+// order, until all its threads exit or wait at the cluster barrier; when every block waits
+// there, all go on. A block that exits while others wait is an error (as a thread that exits
+// while its block waits at __syncthreads).
+void run_cluster(std::vector<Run>& runs, Rng& rng) {
+  std::vector<int> order(runs.size());
+  for (size_t r = 0; r < runs.size(); ++r) order[r] = (int)r;
+  for (;;) {
+    rng.shuffle(order);
+    for (int r : order) {
+      Run& run = runs[r];
+      if (run.live == 0) continue;
+      enter(run);
+      step_block(run);
+      leave(run);
+    }
+    int done = 0, waiting = 0;
+    for (Run& run : runs) {
+      if (run.failed) return;
+      if (run.live == 0) ++done;
+      else ++waiting;
+    }
+    if (waiting == 0) return;
+    if (done > 0) {
+      for (Run& run : runs)
+        if (run.live == 0)
+          fail_run(run, format("block (%u,%u,%u) exited while %d blocks of its cluster wait at the "
+                               "cluster barrier (line %d)",
+                               run.bid.x, run.bid.y, run.bid.z, waiting,
+                               runs[order[0]].cluster_line));
+      return;
+    }
+    ++*runs[0].cluster_token;
+    for (Run& run : runs) release_cluster(run);
+  }
 }
 
 uint64_t gcd(uint64_t a, uint64_t b) {
@@ -479,22 +598,38 @@ uint64_t exchange_xor(unsigned mask, uint64_t bits, int lane_mask, int line) {
 
 unsigned char* dynamic_shared() { return t_run->dynamic; }
 
+int cluster_rank() { return t_run->rank; }
+int cluster_blocks() { return t_run->cluster; }
+
+void sync_cluster(int line) {
+  Run& run = *t_run;
+  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
+#if EMU_TSAN
+  __tsan_release(run.cluster_token);
+#endif
+#if defined(EMU_TRAFFIC)
+  traffic_sync();
+#endif
+  f.line.store(line, std::memory_order_relaxed);
+  f.state.store((int)State::Cluster, std::memory_order_relaxed);
+  to_scheduler(false);
+#if EMU_TSAN
+  __tsan_acquire(t_run->cluster_token);
+#endif
+}
+
 }  // namespace emu
 
 extern "C" int emu_run_grid(const emu::Kernel* kernel, emu::Dim grid, emu::Dim block,
-                            unsigned dynamic_bytes, const unsigned char* params, uint64_t seed,
-                            char* message, size_t capacity) {
+                            unsigned cluster, unsigned dynamic_bytes, const unsigned char* params,
+                            uint64_t seed, char* message, size_t capacity) {
   using namespace emu;
-  Run run;
-  run.kernel = kernel;
-  run.params = params;
-  run.rng.s = seed;
-  run.threads = (int)(block.x * block.y * block.z);
-  const int warps = (run.threads + 31) / 32;
-  run.warp_arrivals.assign(warps, 0);
-  run.warp_line.assign(warps, 0);
-  run.warp_live.assign(warps, 0);
-  run.fibers = std::vector<Fiber>(run.threads);
+  if (cluster == 0 || grid.x % cluster != 0) {
+    snprintf(message, capacity, "a cluster of %u blocks in a grid of %u along x", cluster, grid.x);
+    return -1;
+  }
+  const int threads = (int)(block.x * block.y * block.z);
+  const int warps = (threads + 31) / 32;
   // Stacks are kept for the next launch on this OS thread (touching fresh ones page by page
   // would cost more than the kernels).
   struct Stacks {
@@ -505,47 +640,91 @@ extern "C" int emu_run_grid(const emu::Kernel* kernel, emu::Dim grid, emu::Dim b
   };
   thread_local Stacks cache;
   std::vector<char*>& stacks = cache.v;
-  while (stacks.size() < (size_t)run.threads) {
+  while (stacks.size() < (size_t)threads * cluster) {
     char* stack = (char*)malloc(kStackBytes);
     if (!stack) abort();
     stacks.push_back(stack);
   }
-  for (int i = 0; i < run.threads; ++i) {
-    Fiber& f = run.fibers[i];
-    f.tid = dim3{(unsigned)i % block.x, (unsigned)i / block.x % block.y,
-                 (unsigned)i / (block.x * block.y)};
-    f.warp = i / 32;
-    f.lane = i % 32;
-    f.stack = stacks[i];
+  const size_t shared_bytes =
+      __start_emu_shared && __stop_emu_shared ? (size_t)(__stop_emu_shared - __start_emu_shared) : 0;
+  int cluster_token = 0;
+  std::vector<Run> runs(cluster);
+  std::vector<std::vector<unsigned char>> dynamic(cluster);
+  for (unsigned r = 0; r < cluster; ++r) {
+    Run& run = runs[r];
+    run.kernel = kernel;
+    run.params = params;
+    run.rng.s = seed + r * 0x9e3779b97f4a7c15ull;
+    run.threads = threads;
+    run.rank = (int)r;
+    run.cluster = (int)cluster;
+    run.cluster_token = &cluster_token;
+    if (cluster > 1) run.shared_copy.assign(shared_bytes, (char)0xff);
+    run.warp_arrivals.assign(warps, 0);
+    run.warp_line.assign(warps, 0);
+    run.warp_live.assign(warps, 0);
+    run.fibers = std::vector<Fiber>(threads);
+    for (int i = 0; i < threads; ++i) {
+      Fiber& f = run.fibers[i];
+      f.tid = dim3{(unsigned)i % block.x, (unsigned)i / block.x % block.y,
+                   (unsigned)i / (block.x * block.y)};
+      f.warp = i / 32;
+      f.lane = i % 32;
+      f.stack = stacks[r * threads + i];
+    }
+    run.dynamic_bytes = dynamic_bytes;
+    dynamic[r].resize(dynamic_bytes + kGuardBytes);
+    run.dynamic = dynamic[r].data();
   }
-  run.dynamic_bytes = dynamic_bytes;
-  std::vector<unsigned char> dynamic(dynamic_bytes + kGuardBytes);
-  run.dynamic = dynamic.data();
   t_block_dim = dim3{block.x, block.y, block.z};
   t_grid_dim = dim3{grid.x, grid.y, grid.z};
   Run* outer = t_run;
-  t_run = &run;
 #if EMU_TSAN
-  run.tsan_scheduler = __tsan_get_current_fiber();
+  for (Run& run : runs) run.tsan_scheduler = __tsan_get_current_fiber();
 #endif
-  // Blocks in the order i -> (a * i + b) mod total, a coprime to total: a permutation of any
-  // size without a table.
-  const uint64_t total = (uint64_t)grid.x * grid.y * grid.z;
-  uint64_t a = 1 + run.rng.below(total > 1 ? total - 1 : 1);
+  Rng rng{seed ^ 0x5851f42d4c957f2dull};
+  auto failed = [&] {
+    for (Run& run : runs)
+      if (run.failed) return true;
+    return false;
+  };
+  // Clusters in the order i -> (a * i + b) mod total, a coprime to total: a permutation of any
+  // size without a table; a cluster's blocks are consecutive along x.
+  const uint64_t per_row = grid.x / cluster;
+  const uint64_t total = (uint64_t)per_row * grid.y * grid.z;
+  const uint64_t blocks = (uint64_t)grid.x * grid.y * grid.z;
+  uint64_t a = 1 + rng.below(total > 1 ? total - 1 : 1);
   while (gcd(a, total) != 1) ++a;
-  const uint64_t b = run.rng.below(total);
-  for (uint64_t i = 0; i < total && !run.failed; ++i) {
+  const uint64_t b = rng.below(total);
+  for (uint64_t i = 0; i < total && !failed(); ++i) {
     const uint64_t k = (uint64_t)(((unsigned __int128)a * i + b) % total);
+    const unsigned x0 = (unsigned)(k % per_row) * cluster;
+    const unsigned y = (unsigned)(k / per_row % grid.y), z = (unsigned)(k / (per_row * grid.y));
 #if defined(EMU_TRAFFIC)
-    if (!traffic_run_block(k, total)) continue;
+    bool any = false;
+    for (unsigned r = 0; r < cluster; ++r)
+      any |= traffic_run_block(x0 + r + (uint64_t)y * grid.x + (uint64_t)z * grid.x * grid.y,
+                               blocks);
+    if (!any) continue;
+#else
+    (void)blocks;
 #endif
-    run_block(run, dim3{(unsigned)(k % grid.x), (unsigned)(k / grid.x % grid.y),
-                        (unsigned)(k / ((uint64_t)grid.x * grid.y))});
+    for (unsigned r = 0; r < cluster; ++r) {
+      t_run = &runs[r];
+      begin_block(runs[r], dim3{x0 + r, y, z});
+      leave(runs[r]);
+    }
+    run_cluster(runs, rng);
+    for (Run& run : runs) {
+      enter(run);
+      end_block(run);
+    }
   }
   t_run = outer;
-  if (run.failed) {
-    snprintf(message, capacity, "%s", run.error.c_str());
-    return -1;
-  }
+  for (Run& run : runs)
+    if (run.failed) {
+      snprintf(message, capacity, "%s", run.error.c_str());
+      return -1;
+    }
   return 0;
 }

@@ -82,7 +82,7 @@ void launch(const emu::Kernel* k, unsigned grid, emu::Dim block, unsigned smem,
   std::vector<unsigned char> params = pack(k, values);
   char message[1024];
   ++launches;
-  if (emu_run_grid(k, emu::Dim{grid, 1, 1}, block, smem, params.data(), seed++, message,
+  if (emu_run_grid(k, emu::Dim{grid, 1, 1}, block, 1, smem, params.data(), seed++, message,
                    sizeof message) != 0) {
     fprintf(stderr, "EMULATOR ERROR in %s: %s\n", k->name, message);
     ++failures;
@@ -211,7 +211,7 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
   if (rows > 0) {
     launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
            {x.addr(), weight ? w.addr() : 0, rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
-            dx.addr(), weight ? partial.addr() : 0, (uint64_t)n, (uint64_t)bwd_team,
+            dx.addr(), weight ? partial.addr() : 0, 0, (uint64_t)n, (uint64_t)bwd_team,
             offset_bits, chunk, rpg, bpg});
     check("dx", tag, xt, dx.p, rdx, tol * 4);
   }

@@ -43,6 +43,7 @@
 namespace {
 
 constexpr int kSms = 132;  // an H200's (and an H100 SXM's) multiprocessors
+constexpr int kMaxCluster = 8;  // plan.rs's MAX_CLUSTER: an H200 (compute capability 9.0) has clusters
 
 struct Dir {
   // requested: bytes the lanes asked for; useful: the same without lanes that read an address
@@ -65,6 +66,8 @@ struct Buffer {
   uintptr_t lo = 0, hi = 0;
   bool broadcast = false;   // read by every block (the weight): distinct sectors not scaled
   bool row = false;         // a row array (x, residual, dy, dh): its loads count per step
+  bool l2 = false;          // written and read back within the launch (a cluster's dot slots):
+                            // its loads are L2 round trips after a barrier, not loads in flight
   Dir group[2][2];          // [head blocks, last block][read, write]
   std::vector<uint8_t> seen[2];  // distinct sectors touched, per direction
 };
@@ -99,12 +102,20 @@ struct Thread {
   uint64_t step_bytes = 0, max_step_bytes = 0;  // row loads per streaming step (EMU_STEP)
 };
 
-struct Recorder {
-  std::vector<Buffer> buffers;
+// What is recorded of one running block: a cluster's blocks run together (slot: the block's
+// rank in its cluster, 0 without clusters).
+struct Slot {
   std::vector<Thread> threads;
   std::unordered_map<Key, Instance, KeyHash> instances;
-  uint64_t head_blocks = 0;  // run blocks [0, head_blocks) and total - 1
-  int group = 0;             // of the running block
+  int group = 0;  // head blocks (0) or the last cluster (1)
+};
+
+struct Recorder {
+  std::vector<Buffer> buffers;
+  std::vector<Slot> slots;
+  int current = 0;           // the running block's slot
+  uint64_t head_blocks = 0;  // run blocks [0, head_blocks) and the last cluster's
+  uint64_t cluster = 1;      // blocks per cluster of the launch
   // Load bytes of a block's threads between two syncs (each thread's most over its epochs,
   // summed over the block; the weight, read from cache, left out), over the blocks run.
   double inflight_sum = 0;
@@ -126,55 +137,61 @@ int width_index(unsigned w) { return w >= 16 ? 4 : w >= 8 ? 3 : w >= 4 ? 2 : w >
 namespace emu {
 
 bool traffic_run_block(uint64_t linear, uint64_t total) {
-  return linear < rec.head_blocks || linear == total - 1;
+  return linear < rec.head_blocks || linear + rec.cluster >= total;
 }
 
-void traffic_block_begin(int threads) {
+void traffic_block_begin(int slot, int threads) {
   const emu::dim3& b = blockIdx;
   const uint64_t linear = b.x + (uint64_t)b.y * gridDim.x + (uint64_t)b.z * gridDim.x * gridDim.y;
-  rec.group = linear < rec.head_blocks ? 0 : 1;
-  rec.threads.assign(threads, Thread());
-  rec.instances.clear();
+  if (rec.slots.size() <= (size_t)slot) rec.slots.resize(slot + 1);
+  Slot& s = rec.slots[slot];
+  s.group = linear < rec.head_blocks ? 0 : 1;
+  s.threads.assign(threads, Thread());
+  s.instances.clear();
+  rec.current = slot;
 }
 
+void traffic_block_switch(int slot) { rec.current = slot; }
+
 void traffic_step() {
-  Thread& t = rec.threads[current_thread()];
+  Thread& t = rec.slots[rec.current].threads[current_thread()];
   t.max_step_bytes = std::max(t.max_step_bytes, t.step_bytes);
   t.step_bytes = 0;
 }
 
 void traffic_sync() {
   traffic_step();
-  Thread& t = rec.threads[current_thread()];
+  Thread& t = rec.slots[rec.current].threads[current_thread()];
   t.max_load_bytes = std::max(t.max_load_bytes, t.load_bytes);
   t.load_bytes = 0;
   t.counts.clear();
   ++t.epoch;
 }
 
-void traffic_block_end() {
-  for (auto& [key, inst] : rec.instances) {
+void traffic_block_end(int slot) {
+  Slot& blk = rec.slots[slot];
+  for (auto& [key, inst] : blk.instances) {
     std::vector<uint64_t>& s = inst.sectors;
     std::sort(s.begin(), s.end());
     const uint64_t distinct = (uint64_t)(std::unique(s.begin(), s.end()) - s.begin());
     std::vector<uint64_t>& a = inst.addresses;
     std::sort(a.begin(), a.end());
     const uint64_t lanes = (uint64_t)(std::unique(a.begin(), a.end()) - a.begin());
-    Dir& d = rec.buffers[key.buffer].group[rec.group][key.store];
+    Dir& d = rec.buffers[key.buffer].group[blk.group][key.store];
     d.requested += inst.bytes;
     d.useful += lanes * inst.width;
     d.instructions += 1;
     d.sectors += distinct;
     d.widths[width_index(inst.width)] += 1;
   }
-  rec.instances.clear();
+  blk.instances.clear();
   uint64_t block_bytes = 0;
   uint64_t step_bytes = 0;
-  for (Thread& t : rec.threads) {
+  for (Thread& t : blk.threads) {
     block_bytes += std::max(t.max_load_bytes, t.load_bytes);
     step_bytes += std::max(t.max_step_bytes, t.step_bytes);
   }
-  if (rec.group == 0 || rec.head_blocks == 0) {
+  if (blk.group == 0 || rec.head_blocks == 0) {
     rec.inflight_sum += (double)block_bytes;
     rec.step_sum += (double)step_bytes;
     ++rec.inflight_blocks;
@@ -193,20 +210,21 @@ void traffic_access(const void* p, unsigned bytes, unsigned width, bool store, i
   Buffer& buf = rec.buffers[buffer];
   if (a + bytes > buf.hi) fail("traffic: an access past the end of its buffer", line);
   const int tid = current_thread();
-  Thread& t = rec.threads[tid];
-  if (!store && !buf.broadcast) t.load_bytes += bytes;
+  Slot& blk = rec.slots[rec.current];
+  Thread& t = blk.threads[tid];
+  if (!store && !buf.broadcast && !buf.l2) t.load_bytes += bytes;
   if (!store && buf.row) t.step_bytes += bytes;
   for (unsigned off = 0; off < bytes; off += width) {
     const uint64_t ckey = ((uint64_t)line << 20) | ((uint64_t)buffer << 1) | (store ? 1 : 0);
     const int count = t.counts[ckey]++;
-    Instance& inst = rec.instances[Key{tid / 32, t.epoch, line, buffer, store ? 1 : 0, count}];
+    Instance& inst = blk.instances[Key{tid / 32, t.epoch, line, buffer, store ? 1 : 0, count}];
     const uint64_t first = (a + off - buf.lo) / 32, last = (a + off + width - 1 - buf.lo) / 32;
     for (uint64_t s = first; s <= last; ++s) {
       inst.sectors.push_back(s);
       uint8_t& seen = buf.seen[store ? 1 : 0][s];
       if (!seen) {
         seen = 1;
-        buf.group[rec.group][store ? 1 : 0].unique += 32;
+        buf.group[blk.group][store ? 1 : 0].unique += 32;
       }
     }
     inst.addresses.push_back(a + off);
@@ -229,7 +247,7 @@ uint64_t forward_min_team = 1;  // plan.rs's; 32 reproduces the plans before tea
 
 // --- plan.rs, re-derived (checked against it: docs/gpu-traffic-plans.txt) -------------------
 struct Launch {
-  uint64_t grid, block, team, shared, chunk, blocks_per_group;
+  uint64_t grid, block, team, shared, chunk, blocks_per_group, cluster = 1;
 };
 uint64_t next_pow2(uint64_t v) {
   uint64_t p = 1;
@@ -253,19 +271,29 @@ Launch plan_forward(Type x, uint64_t n, uint64_t rows, bool vectorized) {
                                  (uint64_t)0x7fffffff);
   return Launch{grid, block, team, 0, 0, 0};
 }
+uint64_t backward_cluster(Type x, uint64_t n, bool vectorized, uint64_t max_cluster) {
+  if (!vectorized) return 1;
+  const uint64_t nv = n / vec_width(x, true), cached = 512 * vpt_of(true, x, true);
+  if (nv <= cached) return 1;
+  for (uint64_t c = 2; c <= std::min(max_cluster, (uint64_t)kMaxCluster); c *= 2)
+    if (nv % c == 0 && nv / c <= cached) return c;
+  return 1;
+}
 Launch plan_backward(Type x, uint64_t n, uint64_t groups, uint64_t rows_per_group,
-                     bool vectorized, uint64_t sm_count, bool has_weight) {
+                     bool vectorized, uint64_t sm_count, bool has_weight, uint64_t max_cluster) {
   const uint64_t vec = vec_width(x, vectorized), block = 512;
   const uint64_t vpt = vpt_of(true, x, vectorized);
   const uint64_t wide = wide_bytes_of(acc_of(x));
+  const uint64_t cluster =
+      backward_cluster(x, n, vectorized, std::min(max_cluster, std::max(sm_count, (uint64_t)1)));
   uint64_t team = team_size(n, vec, vpt, 32, block);
-  if (n * wide > (32u << 10)) team = block;
+  if (n * wide > (32u << 10) || cluster > 1) team = block;
   const uint64_t teams = block / team;
   const bool cached = n / vec <= team * vpt;
   const uint64_t shared = teams > 1 && cached ? n * wide : 0;
   groups = std::max(groups, (uint64_t)1);
   const uint64_t wanted = std::max((rows_per_group + teams - 1) / teams, (uint64_t)1);
-  uint64_t per_group = (std::max(sm_count, (uint64_t)1) + groups - 1) / groups;
+  uint64_t per_group = (std::max(sm_count / cluster, (uint64_t)1) + groups - 1) / groups;
   if (has_weight) {
     const uint64_t rows_in_limit = (256ull << 20) / (std::max(n, (uint64_t)1) * wide);
     per_group = std::max(std::min(per_group, rows_in_limit / groups), (uint64_t)1);
@@ -281,8 +309,13 @@ Launch plan_backward(Type x, uint64_t n, uint64_t groups, uint64_t rows_per_grou
       chunk = 8;
   }
   per_group = std::max((rows_per_group + chunk - 1) / chunk, (uint64_t)1);
-  return Launch{std::min(groups * per_group, (uint64_t)0x7fffffff), block, team, shared, chunk,
-                per_group};
+  return Launch{std::min(groups * per_group * cluster, (uint64_t)0x7fffffff),
+                block,
+                team,
+                shared,
+                chunk,
+                per_group,
+                cluster};
 }
 
 // --- buffers and launches -------------------------------------------------------------------
@@ -309,6 +342,7 @@ void add_buffer(const char* name, const Mem& m, size_t bytes, bool broadcast) {
   b.broadcast = broadcast;
   const std::string nm = name;
   b.row = nm == "x" || nm == "residual" || nm == "dy" || nm == "dh";
+  b.l2 = nm == "dots";
   for (auto& s : b.seen) s.assign(bytes / 32 + 2, 0);
   rec.buffers.push_back(std::move(b));
 }
@@ -338,17 +372,20 @@ std::string run(const std::string& kernel, const Launch& l, emu::Dim block,
                 const std::vector<uint64_t>& values, bool cached) {
   const emu::Kernel* k = find(kernel.c_str());
   std::vector<unsigned char> params = pack(k, values);
-  rec.head_blocks = std::min(l.grid - 1, max_blocks);
+  // Whole clusters: the first max_blocks blocks' (rounded down to clusters) and the last one.
+  const uint64_t c = l.cluster;
+  rec.cluster = c;
+  rec.head_blocks = std::min(l.grid - c, max_blocks / c * c);
   rec.inflight_sum = 0;
   rec.step_sum = 0;
   rec.inflight_blocks = 0;
   char message[1024];
-  if (emu_run_grid(k, emu::Dim{(unsigned)l.grid, 1, 1}, block, (unsigned)l.shared, params.data(),
-                   12345, message, sizeof message) != 0) {
+  if (emu_run_grid(k, emu::Dim{(unsigned)l.grid, 1, 1}, block, (unsigned)c, (unsigned)l.shared,
+                   params.data(), 12345, message, sizeof message) != 0) {
     fprintf(stderr, "EMULATOR ERROR in %s: %s\n", kernel.c_str(), message);
     failed = true;
   }
-  const double scale = rec.head_blocks ? (double)(l.grid - 1) / (double)rec.head_blocks : 0.0;
+  const double scale = rec.head_blocks ? (double)(l.grid - c) / (double)rec.head_blocks : 0.0;
   std::string bufs;
   for (Buffer& b : rec.buffers) {
     Dir total[2];
@@ -371,14 +408,14 @@ std::string run(const std::string& kernel, const Launch& l, emu::Dim block,
   }
   char head[1024];
   snprintf(head, sizeof head,
-           "{\"kernel\":\"%s\",\"grid\":%llu,\"block\":[%u,%u],\"team\":%llu,\"shared\":%llu,"
+           "{\"kernel\":\"%s\",\"grid\":%llu,\"cluster\":%llu,\"block\":[%u,%u],\"team\":%llu,\"shared\":%llu,"
            "\"chunk\":%llu,\"blocks_per_group\":%llu,\"emulated_blocks\":%llu,\"cached\":%s,"
            "\"load_bytes_per_block_per_sync\":%.1f,\"row_load_bytes_per_block_per_step\":%.1f,"
            "\"buffers\":[",
-           kernel.c_str(), (unsigned long long)l.grid, block.x, block.y,
+           kernel.c_str(), (unsigned long long)l.grid, (unsigned long long)c, block.x, block.y,
            (unsigned long long)l.team, (unsigned long long)l.shared, (unsigned long long)l.chunk,
            (unsigned long long)l.blocks_per_group,
-           (unsigned long long)(rec.head_blocks + (l.grid > rec.head_blocks ? 1 : 0)),
+           (unsigned long long)(rec.head_blocks + (l.grid > rec.head_blocks ? c : 0)),
            cached ? "true" : "false",
            rec.inflight_blocks ? rec.inflight_sum / (double)rec.inflight_blocks : 0.0,
            rec.inflight_blocks ? rec.step_sum / (double)rec.inflight_blocks : 0.0);
@@ -427,24 +464,31 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
              (unsigned long long)l.team);
   } else {
     const bool with_dh = kind == "bwdh";
-    const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, true);
-    // plan.rs's narrow_partials: float32 partial rows.
+    const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, true, kMaxCluster);
+    // plan.rs's narrow_partials: float32 partial rows, one per cluster (or block).
     const bool narrow = acc_of(xt) == F32 && l.team == l.block && l.chunk <= 8;
     const size_t wide = narrow ? 4 : wide_bytes_of(acc_of(xt));
+    const uint64_t units = l.grid / l.cluster;
+    const size_t dots_bytes = l.cluster > 1 ? l.grid * 2 * wide_bytes_of(acc_of(xt)) : 0;
     Mem x(count * xb), w(n * xb), rstd(rows * ab), dy(count * xb), dh(with_dh ? count * xb : 0),
-        dx(count * xb), partial(l.grid * n * wide), dw(n * xb);
+        dx(count * xb), partial(units * n * wide), dw(n * xb), dots(dots_bytes);
     add_buffer("x", x, count * xb, false);
     add_buffer("w", w, n * xb, true);
     add_buffer("rstd", rstd, rows * ab, false);
     add_buffer("dy", dy, count * xb, false);
     if (with_dh) add_buffer("dh", dh, count * xb, false);
     add_buffer("dx", dx, count * xb, false);
-    add_buffer("partial", partial, l.grid * n * wide, false);
+    add_buffer("partial", partial, units * n * wide, false);
     add_buffer("dw", dw, n * xb, false);
-    const bool cached = n / vec_width(xt, vec) <= l.team * vpt_of(true, xt, vec);
-    launches.push_back(run("rmsnorm_bwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
+    if (dots_bytes) add_buffer("dots", dots, dots_bytes, false);
+    const bool cached =
+        n / vec_width(xt, vec) / l.cluster <= l.team * vpt_of(true, xt, vec);
+    const std::string bwd_sfx =
+        l.cluster > 1 ? std::string(kName[xt]) + "_w" + kName[xt] + "_c" : sfx;
+    launches.push_back(run("rmsnorm_bwd_" + bwd_sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
                            {x.addr(), w.addr(), rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
-                            dx.addr(), partial.addr(), n, l.team, f2u(with_dh ? 1.0f : -0.0f),
+                            dx.addr(), partial.addr(), dots_bytes ? dots.addr() : 0, n, l.team,
+                            f2u(with_dh ? 1.0f : -0.0f),
                             (uint64_t)l.chunk, rows, l.blocks_per_group},
                            cached));
     const Launch f{(n + 31) / 32, 256, 0, 0, 0, 0};
@@ -454,12 +498,13 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
                            {partial.addr(), l.blocks_per_group, n, (uint64_t)narrow, dw.addr()},
                            false));
     snprintf(plan, sizeof plan,
-             "%s %s %s n=%llu rows=%llu sms=%d grid=%llu block=%llu team=%llu shared=%llu "
-             "chunk=%llu blocks_per_group=%llu",
+             "%s %s %s n=%llu rows=%llu sms=%d max_cluster=%d grid=%llu block=%llu team=%llu "
+             "shared=%llu chunk=%llu blocks_per_group=%llu cluster=%llu",
              kind.c_str(), kName[xt], vec ? "v" : "s", (unsigned long long)n, (unsigned long long)rows, kSms,
-             (unsigned long long)l.grid, (unsigned long long)l.block, (unsigned long long)l.team,
-             (unsigned long long)l.shared, (unsigned long long)l.chunk,
-             (unsigned long long)l.blocks_per_group);
+             kMaxCluster, (unsigned long long)l.grid, (unsigned long long)l.block,
+             (unsigned long long)l.team, (unsigned long long)l.shared,
+             (unsigned long long)l.chunk, (unsigned long long)l.blocks_per_group,
+             (unsigned long long)l.cluster);
   }
   std::string all;
   for (auto& s : launches) all += (all.empty() ? "" : ",") + s;

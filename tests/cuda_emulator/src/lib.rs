@@ -119,6 +119,8 @@ pub struct Counters {
     pub outstanding: i64,
     /// Primary-context retains not yet released.
     pub context_retains: i64,
+    /// Launches in clusters of more than one block (cuLaunchKernelEx).
+    pub cluster_launches: i64,
 }
 
 type AllocFn = unsafe extern "C" fn(usize, usize) -> *mut c_void;
@@ -208,9 +210,9 @@ impl Fake {
     }
 
     pub fn counters(&self) -> Counters {
-        let mut v = [0i64; 7];
-        // SAFETY: room for the 7 counters asked for.
-        unsafe { (self.counters)(v.as_mut_ptr(), 7) };
+        let mut v = [0i64; 8];
+        // SAFETY: room for the 8 counters asked for.
+        unsafe { (self.counters)(v.as_mut_ptr(), 8) };
         Counters {
             launches: v[0],
             module_loads: v[1],
@@ -219,6 +221,7 @@ impl Fake {
             driver_allocations: v[4],
             outstanding: v[5],
             context_retains: v[6],
+            cluster_launches: v[7],
         }
     }
 

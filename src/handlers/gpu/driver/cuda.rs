@@ -61,7 +61,43 @@ pub struct Cuda {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> CuResult,
+    /// `cuLaunchKernelEx` (CUDA 12.0 and later): launches in thread block clusters. None with
+    /// an older driver, which then gets no cluster launches.
+    pub(super) launch_kernel_ex: Option<
+        unsafe extern "C" fn(
+            *const LaunchConfigEx,
+            CuFunction,
+            *mut *mut c_void,
+            *mut *mut c_void,
+        ) -> CuResult,
+    >,
 }
+
+/// cuda.h's `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`.
+pub(super) const LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: c_int = 4;
+
+/// cuda.h's `CUlaunchAttribute`: an id, padding to 8 bytes, a 64-byte value union (here only
+/// its `clusterDim` member, three unsigned ints, is used).
+#[repr(C)]
+pub(super) struct LaunchAttribute {
+    pub id: c_int,
+    pub pad: [u8; 4],
+    pub value: [c_uint; 16],
+}
+
+/// cuda.h's `CUlaunchConfig`.
+#[repr(C)]
+pub(super) struct LaunchConfigEx {
+    pub grid: [c_uint; 3],
+    pub block: [c_uint; 3],
+    pub shared_bytes: c_uint,
+    pub stream: CuStream,
+    pub attrs: *mut LaunchAttribute,
+    pub num_attrs: c_uint,
+}
+
+const _: () = assert!(std::mem::size_of::<LaunchAttribute>() == 72);
+const _: () = assert!(std::mem::size_of::<LaunchConfigEx>() == 56);
 
 /// A stream's context and device, as the driver knows them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +155,7 @@ impl Cuda {
             mem_alloc: f!("cuMemAlloc_v2"),
             mem_free: f!("cuMemFree_v2"),
             launch_kernel: f!("cuLaunchKernel"),
+            launch_kernel_ex: symbol(&lib, LIB, &path, "cuLaunchKernelEx").ok(),
             path: path.clone(),
             _lib: lib,
         };
@@ -190,6 +227,12 @@ impl Cuda {
 
     pub fn sm_count(&self, ordinal: i32) -> GpuResult<i32> {
         self.attribute(ordinal, ATTR_MULTIPROCESSOR_COUNT)
+    }
+
+    /// Whether kernels can be launched in thread block clusters on the device: compute
+    /// capability 9.0 or later, and a driver with `cuLaunchKernelEx`.
+    pub fn has_clusters(&self, ordinal: i32) -> GpuResult<bool> {
+        Ok(self.launch_kernel_ex.is_some() && self.capability(ordinal)? >= 90)
     }
 
     pub fn l2_bytes(&self, ordinal: i32) -> GpuResult<i32> {

@@ -8,7 +8,9 @@
 use std::ffi::c_void;
 use std::ptr;
 
-use super::cuda::CurrentContext;
+use super::cuda::{
+    CurrentContext, LaunchAttribute, LaunchConfigEx, LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+};
 use super::module::{Function, Module};
 use super::{GpuError, GpuResult};
 
@@ -56,12 +58,15 @@ impl KernelSignature {
     }
 }
 
-/// Grid, block and dynamic shared memory of a launch.
+/// Grid, block and dynamic shared memory of a launch, and its thread block clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchConfig {
     pub grid: u32,
     pub block: (u32, u32),
     pub shared_bytes: u32,
+    /// Blocks per cluster along x (1: no clusters, `cuLaunchKernel`; more: `cuLaunchKernelEx`
+    /// with a cluster dimension, which `grid` must be a multiple of).
+    pub cluster: u32,
 }
 
 const MAX_PARAM_BYTES: usize = 256;
@@ -172,6 +177,40 @@ impl<'m> Launch<'m> {
             ptr::null_mut(),
         ];
         let c = self.config;
+        if c.cluster > 1 {
+            let Some(launch_ex) = cuda.launch_kernel_ex else {
+                return Err(GpuError::Launch {
+                    kernel: name,
+                    message: "a cluster launch, but the driver has no cuLaunchKernelEx".into(),
+                });
+            };
+            let mut value = [0; 16];
+            value[..3].copy_from_slice(&[c.cluster, 1, 1]);
+            let mut attribute = LaunchAttribute {
+                id: LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value,
+            };
+            let config = LaunchConfigEx {
+                grid: [c.grid, 1, 1],
+                block: [c.block.0, c.block.1, 1],
+                shared_bytes: c.shared_bytes,
+                stream: stream.as_raw(),
+                attrs: &mut attribute,
+                num_attrs: 1,
+            };
+            // SAFETY: as for cuLaunchKernel below; `config` and its one attribute (the cluster
+            // dimension, laid out as cuda.h's CUlaunchAttribute) live until the call returns.
+            let rc = unsafe {
+                launch_ex(
+                    &config,
+                    self.function.handle,
+                    ptr::null_mut(),
+                    extra.as_mut_ptr(),
+                )
+            };
+            return cuda.check("cuLaunchKernelEx", rc);
+        }
         // SAFETY: `handle` is a live kernel of this module; `extra` describes a buffer of
         // `size` bytes laid out as the kernel's parameter list (checked above, and by the driver
         // against the kernel itself), alive until cuLaunchKernel returns (it copies it); the
