@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make gpu-sanitize`: the emulated kernels under the sanitizers, in the standalone harness
 # (cpp/harness.cpp), built with the same shim, scheduler and kernel source as the tests.
-# - AddressSanitizer + UndefinedBehaviorSanitizer (aborting on the first report): the full sweep.
+# - AddressSanitizer + UndefinedBehaviorSanitizer (aborting on the first report): the full sweep,
+#   with the backward split across clusters of 2 and 4 blocks (its `_c` kernels).
 # - ThreadSanitizer: the quick subset (TSan's cost grows with the fibers alive: a block of 512
 #   CUDA threads is 512 TSan fibers), then a self-check: with team_sum's first barrier removed,
 #   TSan must report a data race, so a clean run means something.

@@ -78,11 +78,11 @@ uint64_t seed = 1;
 int failures = 0, launches = 0;
 
 void launch(const emu::Kernel* k, unsigned grid, emu::Dim block, unsigned smem,
-            const std::vector<uint64_t>& values) {
+            const std::vector<uint64_t>& values, unsigned cluster = 1) {
   std::vector<unsigned char> params = pack(k, values);
   char message[1024];
   ++launches;
-  if (emu_run_grid(k, emu::Dim{grid, 1, 1}, block, 1, smem, params.data(), seed++, message,
+  if (emu_run_grid(k, emu::Dim{grid, 1, 1}, block, cluster, smem, params.data(), seed++, message,
                    sizeof message) != 0) {
     fprintf(stderr, "EMULATOR ERROR in %s: %s\n", k->name, message);
     ++failures;
@@ -110,9 +110,12 @@ double tolerance(Type t) { return t == F64 ? 1e-12 : t == F32 ? 2e-5 : t == BF16
 
 // One forward and one backward (+ finalize) of `groups` x `rows_per_group` rows of n, with the
 // weight applied as `offset + w` (0: none; the kernels then get -0.0, as the launch code passes)
-// and, with `with_dh`, a dh added to dx.
+// and, with `with_dh`, a dh added to dx. With `cluster` > 1, the backward alone (rstd from the
+// float64 reference) in its `_c` kernel, rows split across clusters of that many blocks (the
+// vector path, one team of 512, each block's slice of the row cached).
 void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg, int n,
-              int fwd_team, int bwd_team, int max_blocks, float offset, bool with_dh) {
+              int fwd_team, int bwd_team, int max_blocks, float offset, bool with_dh,
+              int cluster = 1) {
   const size_t rows = groups * rpg, count = rows * (size_t)n;
   const Type at = acc_of(xt);
   const int VEC = vec ? (int)(16 / bytes_of(xt)) : 1;
@@ -122,7 +125,8 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
                     (vec ? " vec" : " scalar") + " groups=" + std::to_string(groups) +
                     " rows=" + std::to_string(rpg) + " n=" + std::to_string(n) +
                     " teams=" + std::to_string(fwd_team) + "/" + std::to_string(bwd_team) +
-                    " offset=" + std::to_string(offset) + (with_dh ? " dh" : "");
+                    " offset=" + std::to_string(offset) + (with_dh ? " dh" : "") +
+                    (cluster > 1 ? " cluster=" + std::to_string(cluster) : "");
   const uint64_t offset_bits = f2u(offset != 0.0f ? offset : -0.0f);
   Buffer x(count * bytes_of(xt)), dy(count * bytes_of(xt)), y(count * bytes_of(xt)),
       dx(count * bytes_of(xt)), rstd(rows * bytes_of(at)),
@@ -162,11 +166,13 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
   }
   const char* wn = weight ? kName[wt] : kName[xt];
   const double tol = tolerance(xt);
+  if (cluster > 1)
+    for (size_t r = 0; r < rows; ++r) set(at, rstd.p, r, rr[r]);
   // Forward: teams of fwd_team threads, blocks of max(team, 256).
   const unsigned fblock = fwd_team > 256 ? fwd_team : 256;
   const size_t fteams = fblock / fwd_team;
   snprintf(name, sizeof name, "rmsnorm_fwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
-  if (rows > 0) {
+  if (rows > 0 && cluster == 1) {
     launch(find(name), (unsigned)((rows + fteams - 1) / fteams), emu::Dim{fblock, 1, 1}, 0,
            {x.addr(), weight ? w.addr() : 0, y.addr(), rstd.addr(), rows, (uint64_t)n,
             (uint64_t)fwd_team, f2u(1e-5f), offset_bits, rpg});
@@ -199,20 +205,26 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
   // Backward: blocks of 512, bwd_team threads per row, up to max_blocks per group.
   const int vpt = (vec && bytes_of(xt) == 4) ? 8 : 4;
   const int teams = 512 / bwd_team;
-  const bool cached = n / VEC <= bwd_team * vpt;
+  const bool cached = n / VEC / cluster <= bwd_team * vpt;
   if (!cached && bwd_team != 512) return;  // the streaming path takes one team per block
+  if (cluster > 1 && (!vec || bwd_team != 512 || (n / VEC) % cluster != 0)) return;
   const unsigned smem = (teams > 1 && cached) ? n * (unsigned)wide_bytes_of(at) : 0;
   size_t bpg = rpg ? (rpg + teams - 1) / teams : 1;
   if (bpg > (size_t)max_blocks) bpg = max_blocks;
   const size_t chunk = rpg ? (rpg + bpg - 1) / bpg : 1;
   bpg = rpg ? (rpg + chunk - 1) / chunk : 1;
+  // A partial row per block, or per cluster (bpg: blocks, or clusters, per group); a cluster's
+  // blocks have two dot-product slots each.
   Buffer partial(weight ? groups * bpg * n * wide_bytes_of(at) : 0);
-  snprintf(name, sizeof name, "rmsnorm_bwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+  Buffer dots(cluster > 1 ? groups * bpg * cluster * 2 * wide_bytes_of(at) : 0);
+  snprintf(name, sizeof name, "rmsnorm_bwd_%s_w%s_%s", kName[xt], wn,
+           cluster > 1 ? "c" : vec ? "v" : "s");
   if (rows > 0) {
-    launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
+    launch(find(name), (unsigned)(groups * bpg * cluster), emu::Dim{512, 1, 1}, smem,
            {x.addr(), weight ? w.addr() : 0, rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
-            dx.addr(), weight ? partial.addr() : 0, 0, (uint64_t)n, (uint64_t)bwd_team,
-            offset_bits, chunk, rpg, bpg});
+            dx.addr(), weight ? partial.addr() : 0, cluster > 1 ? dots.addr() : 0, (uint64_t)n,
+            (uint64_t)bwd_team, offset_bits, chunk, rpg, bpg},
+           (unsigned)cluster);
     check("dx", tag, xt, dx.p, rdx, tol * 4);
   }
   if (weight) {
@@ -269,6 +281,15 @@ int main(int argc, char** argv) {
             run_case(xt, wt, weight, vec, s.groups, s.rows, s.n, team > 256 ? 1024 : team,
                      team < 32 ? 32 : team, quick ? 2 : 3, offsets[turn], turn == 1);
             ++cases;
+            // The backward split across clusters of 2 and 4 blocks (AddressSanitizer's sweep
+            // only: ThreadSanitizer would see the static shared memory the emulator swaps
+            // between a cluster's blocks as shared by them).
+            if (!quick && every_team && vec && team == 512)
+              for (int cluster : {2, 4}) {
+                run_case(xt, wt, weight, vec, s.groups, s.rows, s.n, 1024, 512, 3,
+                         offsets[turn], turn == 1, cluster);
+                ++cases;
+              }
           }
     }
   printf("harness: %d cases, %d launches, %d failures\n", cases, launches, failures);
