@@ -621,14 +621,18 @@ __device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
 
 // Thread block clusters (sm_90; plan.rs's `cluster`): the blocks of a cluster share each row
 // of their chunk, block `cluster_rank()` of `cluster_blocks()` owning one slice of its columns.
-// Without a cluster launch (and on sm_80, which has none) a block is a cluster of one. The
-// emulator runs a cluster's blocks together and switches between them at cluster_sync.
+// Without a cluster launch a block is a cluster of one. Compiled for an architecture without
+// clusters (below sm_90) the `_c` kernels trap rather than run as clusters of one: a module of
+// compute_80 code on a 9.0 device (an NVRTC that lacks sm_90) would otherwise take a cluster
+// plan's launch and write its partial rows out of place. The emulator runs a cluster's blocks
+// together and switches between them at cluster_sync.
 __device__ __forceinline__ int cluster_blocks() {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return (int)r;
 #elif defined(__CUDACC_RTC__)
+  __trap();
   return 1;
 #else
   return emu_cluster_blocks();  // host emulator (tests only)
@@ -646,11 +650,12 @@ __device__ __forceinline__ int cluster_rank() {
 #endif
 }
 // Every thread of every block of the cluster waits for all the others; the global memory each
-// wrote before it (release) is visible to all after it (acquire).
+// wrote before it is visible to all after it: arrive has release semantics and wait acquire
+// by default (PTX ISA 7.8; spelling `.release` / `.acquire` out would need PTX ISA 8.0, CUDA
+// 12.0, where the same barrier takes CUDA 11.8's NVRTC).
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 #elif defined(__CUDACC_RTC__)
   __syncthreads();
 #else

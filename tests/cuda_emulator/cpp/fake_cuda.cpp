@@ -520,7 +520,7 @@ CUresult cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, u
 }
 
 // cuda.h's CUlaunchConfig and CUlaunchAttribute (CUDA 12.0 and later).
-struct CUlaunchAttribute {
+struct alignas(8) CUlaunchAttribute {  // its value union holds pointers
   int id;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
   char pad[4];
   union {

@@ -524,11 +524,15 @@ void run_cluster(std::vector<Run>& runs, Rng& rng) {
       step_block(run);
       leave(run);
     }
-    int done = 0, waiting = 0;
+    int done = 0, waiting = 0, line = 0;
     for (Run& run : runs) {
       if (run.failed) return;
-      if (run.live == 0) ++done;
-      else ++waiting;
+      if (run.live == 0) {
+        ++done;
+      } else {
+        ++waiting;
+        line = run.cluster_line;
+      }
     }
     if (waiting == 0) return;
     if (done > 0) {
@@ -536,8 +540,7 @@ void run_cluster(std::vector<Run>& runs, Rng& rng) {
         if (run.live == 0)
           fail_run(run, format("block (%u,%u,%u) exited while %d blocks of its cluster wait at the "
                                "cluster barrier (line %d)",
-                               run.bid.x, run.bid.y, run.bid.z, waiting,
-                               runs[order[0]].cluster_line));
+                               run.bid.x, run.bid.y, run.bid.z, waiting, line));
       return;
     }
     ++*runs[0].cluster_token;

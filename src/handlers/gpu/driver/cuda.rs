@@ -77,8 +77,9 @@ pub struct Cuda {
 pub(super) const LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: c_int = 4;
 
 /// cuda.h's `CUlaunchAttribute`: an id, padding to 8 bytes, a 64-byte value union (here only
-/// its `clusterDim` member, three unsigned ints, is used).
-#[repr(C)]
+/// its `clusterDim` member, three unsigned ints, is used; the union holds pointers too, hence
+/// the struct's 8-byte alignment).
+#[repr(C, align(8))]
 pub(super) struct LaunchAttribute {
     pub id: c_int,
     pub pad: [u8; 4],
