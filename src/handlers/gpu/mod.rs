@@ -477,8 +477,6 @@ impl Execute for GpuBackward {
                      {scratch_bytes} (shapes changed since initialize?)"
                 )));
             }
-        }
-        if per_group > 0 {
             let index = if launch.cluster > 1 {
                 kernels::cluster_index(x.dtype(), wd)
             } else {

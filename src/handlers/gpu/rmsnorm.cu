@@ -620,34 +620,32 @@ __device__ __forceinline__ void store_dx(T* dxr, const T* dhr, int v,
 }
 
 // Thread block clusters (sm_90; plan.rs's `cluster`): the blocks of a cluster share each row
-// of their chunk, block `cluster_rank()` of `cluster_blocks()` owning one slice of its columns.
-// Without a cluster launch a block is a cluster of one. Compiled for an architecture without
-// clusters (below sm_90) the `_c` kernels trap rather than run as clusters of one: a module of
-// compute_80 code on a 9.0 device (an NVRTC that lacks sm_90) would otherwise take a cluster
-// plan's launch and write its partial rows out of place. The emulator runs a cluster's blocks
-// together and switches between them at cluster_sync.
-__device__ __forceinline__ int cluster_blocks() {
+// of their chunk, block `rank` of `blocks` owning one slice of its columns. Without a cluster
+// launch a block is a cluster of one. Compiled for an architecture without clusters (below
+// sm_90) the `_c` kernels trap rather than run as clusters of one: a module of compute_80 code
+// on a 9.0 device (an NVRTC that lacks sm_90) would otherwise take a cluster plan's launch and
+// write its partial rows out of place. The emulator runs a cluster's blocks together and
+// switches between them at cluster_sync.
+struct ClusterPlace {
+  int rank, blocks;
+};
+__device__ __forceinline__ ClusterPlace cluster_place() {
+  ClusterPlace c;
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return (int)r;
+  unsigned rank, blocks;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n\tmov.u32 %1, %%cluster_nctarank;"
+               : "=r"(rank), "=r"(blocks));
+  c.rank = (int)rank;
+  c.blocks = (int)blocks;
 #elif defined(__CUDACC_RTC__)
   __trap();
-  return 1;
+  c.rank = 0;
+  c.blocks = 1;
 #else
-  return emu_cluster_blocks();  // host emulator (tests only)
+  c.rank = emu_cluster_rank();  // host emulator (tests only)
+  c.blocks = emu_cluster_blocks();
 #endif
-}
-__device__ __forceinline__ int cluster_rank() {
-#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return (int)r;
-#elif defined(__CUDACC_RTC__)
-  return 0;
-#else
-  return emu_cluster_rank();
-#endif
+  return c;
 }
 // Every thread of every block of the cluster waits for all the others; the global memory each
 // wrote before it is visible to all after it: arrive has release semantics and wait acquire
@@ -739,8 +737,9 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   const int lane = threadIdx.x % team;
   // The cluster (CLUSTER) or the block that owns the chunk, and the block's columns: the
   // packs [col0 / VEC, col0 / VEC + nv) of each row (all of them without clusters).
-  const int csize = CLUSTER ? cluster_blocks() : 1;
-  const int crank = CLUSTER ? cluster_rank() : 0;
+  const ClusterPlace place = CLUSTER ? cluster_place() : ClusterPlace{0, 1};
+  const int csize = place.blocks;
+  const int crank = place.rank;
   const i64 unit = CLUSTER ? (i64)blockIdx.x / csize : (i64)blockIdx.x;
   const int nv = n / VEC / csize;
   const int col0 = crank * nv * VEC;

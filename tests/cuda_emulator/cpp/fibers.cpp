@@ -567,22 +567,33 @@ uint64_t gcd(uint64_t a, uint64_t b) {
   for (;;) to_scheduler(true);
 }
 
-void sync_block(int line) {
+namespace {
+
+// The running thread waits at a barrier (`state`: the block's or the cluster's) until the
+// scheduler lets its block, or its cluster, past; `token` is TSan's synchronization object for
+// that barrier (a release on arrival, an acquire on leaving).
+void wait_at(State state, int* token, int line) {
   Run& run = *t_run;
   Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
 #if EMU_TSAN
-  __tsan_release(&run.barrier_token);
+  __tsan_release(token);
+#else
+  (void)token;
 #endif
 #if defined(EMU_TRAFFIC)
   traffic_sync();
 #endif
   f.line.store(line, std::memory_order_relaxed);
-  f.state.store((int)State::Barrier, std::memory_order_relaxed);
+  f.state.store((int)state, std::memory_order_relaxed);
   to_scheduler(false);
 #if EMU_TSAN
-  __tsan_acquire(&run.barrier_token);
+  __tsan_acquire(token);
 #endif
 }
+
+}  // namespace
+
+void sync_block(int line) { wait_at(State::Barrier, &t_run->barrier_token, line); }
 
 uint64_t exchange_xor(unsigned mask, uint64_t bits, int lane_mask, int line) {
   if (mask != 0xffffffffu) fail("__shfl_xor_sync without the full mask", line);
@@ -604,22 +615,7 @@ unsigned char* dynamic_shared() { return t_run->dynamic; }
 int cluster_rank() { return t_run->rank; }
 int cluster_blocks() { return t_run->cluster; }
 
-void sync_cluster(int line) {
-  Run& run = *t_run;
-  Fiber& f = run.fibers[run.current.load(std::memory_order_relaxed)];
-#if EMU_TSAN
-  __tsan_release(run.cluster_token);
-#endif
-#if defined(EMU_TRAFFIC)
-  traffic_sync();
-#endif
-  f.line.store(line, std::memory_order_relaxed);
-  f.state.store((int)State::Cluster, std::memory_order_relaxed);
-  to_scheduler(false);
-#if EMU_TSAN
-  __tsan_acquire(t_run->cluster_token);
-#endif
-}
+void sync_cluster(int line) { wait_at(State::Cluster, t_run->cluster_token, line); }
 
 }  // namespace emu
 
