@@ -60,7 +60,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -91,52 +90,19 @@ import numpy as np  # noqa: E402
 import rmsnorm_ffi  # noqa: E402
 from rmsnorm_ffi import _native  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common  # noqa: E402
+from gpu_common import TOL, err, ref_np, timed  # noqa: E402
+
 if not OPTS.child and not any(d.platform == "gpu" for d in jax.devices()):
     print(f"gpu_check: no GPU here (jax sees {jax.devices()}); gpu_info: {_native.gpu_info()}")
     sys.exit(2)
 
-START = time.monotonic()
 OUT = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
 OUT.mkdir(parents=True, exist_ok=True)
 LOG = OUT / ("gpu_check.jsonl" if not OPTS.child else f"child_{OPTS.child}.jsonl")
-SUMMARY: list[tuple[str, str, str]] = []  # (section, status, detail)
-FAILED = False
-
-
-def left() -> float:
-    return OPTS.budget - (time.monotonic() - START)
-
-
-def record(section: str, **data) -> None:
-    """Appends one result to the log, flushed at once."""
-    data = {"section": section, "t": round(time.monotonic() - START, 2), **data}
-    with LOG.open("a") as f:
-        f.write(json.dumps(data, default=str) + "\n")
-        f.flush()
-    print(json.dumps(data, default=str), flush=True)
-
-
-def section(name: str, needs: float):
-    """Runs a section if `needs` seconds are left; records pass/fail/skip and any exception."""
-
-    def wrap(fn):
-        global FAILED
-        if left() < needs:
-            SUMMARY.append((name, "skipped", f"{left():.0f} s left, needs ~{needs:.0f}"))
-            record(name, status="skipped", reason="time")
-            return fn
-        t = time.monotonic()
-        try:
-            ok, detail = fn()
-        except Exception as e:  # noqa: BLE001 - every failure is data here
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        status = "pass" if ok else "FAIL"
-        FAILED |= not ok
-        SUMMARY.append((name, status, f"{detail} ({time.monotonic() - t:.0f} s)"))
-        record(name, status=status, detail=detail)
-        return fn
-
-    return wrap
+RUN = gpu_common.Log(LOG, OPTS.budget)
+left, record, section = RUN.left, RUN.record, RUN.section
 
 
 def gpu():
@@ -150,40 +116,6 @@ def on(dev, x):
 # ---------------------------------------------------------------------------------------------
 # References
 # ---------------------------------------------------------------------------------------------
-
-EPS = 1e-5
-TOL = {"float32": 2e-5, "float64": 1e-12, "bfloat16": 2e-2, "float16": 2e-3}
-
-
-def ref_np(x, w, dy, eps=EPS):
-    """float64 y, rstd, dx, dw (dw per weight row for a batched weight)."""
-    x = np.asarray(x, np.float64)
-    dy = np.asarray(dy, np.float64)
-    n = x.shape[-1]
-    eps = float(np.float32(eps))  # eps travels as a float32 attribute
-    r = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-    wf = np.ones(n) if w is None else np.asarray(w, np.float64)
-    if wf.ndim > 1:
-        wf = wf.reshape(wf.shape[:-1] + (1,) * (x.ndim - wf.ndim) + (n,))
-    y = x * r * wf
-    g = dy * wf
-    dx = r * g - x * r**3 / n * (g * x).sum(-1, keepdims=True)
-    if w is not None and np.asarray(w).ndim > 1:
-        dw = (dy * x * r).reshape(np.asarray(w).shape[:-1] + (-1, n)).sum(-2)
-    else:
-        dw = (dy * x * r).reshape(-1, n).sum(0)
-    return y, r[..., 0], dx, dw
-
-
-def err(got, want, scale=1.0):
-    got = np.asarray(jnp.asarray(got).astype(jnp.float64))
-    want = np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        return float("inf")
-    if want.size == 0:
-        return 0.0
-    return float(np.max(np.abs(got - want) / (np.abs(want) + scale)))
-
 
 # ---------------------------------------------------------------------------------------------
 # Children (graphs, sanitizer)
@@ -628,26 +560,6 @@ def growth():
                 f"backward sites {scratch} bytes, XLA bytes {mem0} -> {mem1}, modules {modules}")
 
 
-def timed(fn, args, k):
-    """Seconds per op: `fn` applied to each of k argument sets in one executable, best of 5,
-    and the same over all 2k sets: the difference over k is the time each further call adds,
-    without the executable's dispatch and final sync (about 170 us on the first H200 run, most
-    of a call's time at small shapes). Returns (marginal, whole executable of k / k)."""
-
-    def best_of_5(sets):
-        many = jax.jit(lambda sets: [fn(*a) for a in sets])
-        jax.block_until_ready(many(sets))
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            jax.block_until_ready(many(sets))
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    one, two = best_of_5(args[:k]), best_of_5(args)
-    return max(two - one, 1e-9) / k, one / k
-
-
 TABLE: list[tuple] = []
 
 # The traffic model's predictions (docs/gpu-traffic.md), keyed by (call, dtype, n, rows).
@@ -680,21 +592,12 @@ def predicted_gbs(kind: str, dtype: str, M: int, N: int, counted: int, copy_gbs:
 def bandwidth():
     dev = gpu()
     info = _native.gpu_info()
-    l2 = next((d.get("l2_bytes", 0) for d in info.get("devices", [])), 0) or (50 << 20)
-    try:
-        from jax.experimental.pallas.ops.gpu import rms_norm as pallas_mod  # deprecated in 0.12
-
-        pallas = pallas_mod.rms_norm
-    except Exception as e:  # noqa: BLE001
-        pallas = None
-        record("bandwidth", pallas=f"absent: {e}")
-    try:
-        import tokamax
-
-        tokamax_norm = tokamax.layer_norm
-    except Exception as e:  # noqa: BLE001
-        tokamax_norm = None
-        record("bandwidth", tokamax=f"absent: {e}")
+    l2 = gpu_common.l2_bytes(info)
+    others = gpu_common.optional_norms()
+    for name, found in others.items():
+        if isinstance(found, str):
+            record("bandwidth", **{name: found})
+    pallas, tokamax_norm = (f if callable(f) else None for f in (others["pallas"], others["tokamax"]))
     Ms = (4096,) if OPTS.quick else (4096, 16384)
     Ns = (1024, 4096) if OPTS.quick else (1024, 4096, 8192, 16384)
     for dt in (jnp.bfloat16, jnp.float32):
@@ -731,12 +634,11 @@ def bandwidth():
                     "jnp_bwd": (vjp_at(lambda x: ref(x, w)), pairs),
                 }
                 if pallas is not None:
-                    b0 = jnp.zeros((N,), dt)
-                    pf = lambda x: pallas(x[None], w, b0)[0]  # noqa: E731 - 3-D input, bias
+                    pf = lambda x: pallas(x, w)  # noqa: E731
                     jobs["pallas_fwd"] = (pf, ones)
                     jobs["pallas_bwd"] = (vjp_at(pf), pairs)
                 if tokamax_norm is not None:  # RMS norm: no mean subtracted, no offset
-                    tf = lambda x: tokamax_norm(x, w, None, epsilon=1e-5, subtract_mean=False)  # noqa: E731
+                    tf = lambda x: tokamax_norm(x, w)  # noqa: E731
                     jobs["tokamax_fwd"] = (tf, ones)
                     jobs["tokamax_bwd"] = (vjp_at(tf), pairs)
                 for name, (fn, args) in jobs.items():
@@ -810,8 +712,7 @@ def sanitizer():
 
 
 def table() -> str:
-    lines = [f"{'section':12s} {'status':8s} detail", "-" * 100]
-    lines += [f"{s:12s} {st:8s} {d}" for s, st, d in SUMMARY]
+    lines = RUN.summary_lines()
     if TABLE:
         lines += ["", f"{'dtype':9s} {'M':>6s} {'N':>6s} {'copy GB/s':>9s} {'fwd GB/s':>8s} {'model':>6s} "
                   f"{'/copy':>6s} {'jnp/fwd':>7s} {'pal/fwd':>7s} {'tok/fwd':>7s} {'bwd GB/s':>8s} {'model':>6s} "
@@ -841,5 +742,5 @@ text = table()
 (OUT / "table.txt").write_text(text + "\n")
 print()
 print(text)
-print(f"\ntotal {time.monotonic() - START:.0f} s; results in {LOG}")
-sys.exit(1 if FAILED else 0)
+print(f"\ntotal {OPTS.budget - left():.0f} s; results in {LOG}")
+sys.exit(1 if RUN.failed else 0)
