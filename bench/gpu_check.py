@@ -738,9 +738,4 @@ def table() -> str:
     return "\n".join(lines)
 
 
-text = table()
-(OUT / "table.txt").write_text(text + "\n")
-print()
-print(text)
-print(f"\ntotal {OPTS.budget - left():.0f} s; results in {LOG}")
-sys.exit(1 if RUN.failed else 0)
+RUN.finish(table(), OUT)

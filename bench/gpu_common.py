@@ -74,6 +74,15 @@ class Log:
         self.summary.append((name, "skipped", why))
         self.record(name, status="skipped", reason=why)
 
+    def finish(self, table: str, out: Path) -> None:
+        """Writes the table to out/table.txt and prints it last (a device call's reply holds the
+        end of the output); exits 1 if a section failed, else 0."""
+        (Path(out) / "table.txt").write_text(table + "\n")
+        print()
+        print(table)
+        print(f"\ntotal {self.budget - self.left():.0f} s of {self.budget:.0f}; results in {self.path}")
+        sys.exit(1 if self.failed else 0)
+
     def summary_lines(self) -> list[str]:
         lines = [f"{'section':12s} {'status':8s} detail", "-" * 100]
         return lines + [f"{s:12s} {st:8s} {d}" for s, st, d in self.summary]

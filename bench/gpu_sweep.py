@@ -334,8 +334,9 @@ def per_call(events, calls: int):
 
 
 def summary(us: list[float]) -> dict:
+    """The median and the interquartile range (None for fewer than 3 values)."""
     q25, q50, q75 = np.percentile(us, [25, 50, 75])
-    return {"median_us": round(float(q50), 3), "spread_us": round(float(q75 - q25), 3),
+    return {"median_us": round(float(q50), 3), "spread_us": round(float(q75 - q25), 3) if len(us) > 2 else None,
             "spread": "iqr", "min_us": round(float(min(us)), 3), "max_us": round(float(max(us)), 3)}
 
 
@@ -419,12 +420,16 @@ def kernel_times(jobs: dict, calls: int) -> dict:
         start, end = windows.get(f"sweep#{tag}", (0, -1))
         inside = [k for k in kernels if start <= k[0] <= end]
         us, one = per_call(inside, calls) if inside else (None, [])
-        if us is not None:
+        # Our kernels are named rmsnorm_*, nobody else's is: a window whose kernels say
+        # otherwise was attributed wrongly (host and device clocks apart), and takes the fallback.
+        ours = any(k[2].startswith("rmsnorm_") for k in one)
+        if us is not None and (OPTS.dry_run or ours == tag.startswith("ours/")):
             out[tag] = (us, "profiler_kernels", sorted({k[2] for k in one}))
             continue
+        why = ("" if not inside else " (the window's kernels are not its own)" if us is not None
+               else f" ({len(inside)} kernels for {calls} calls)")
         us, method = fallback_times(job, calls)
-        out[tag] = (us, method if not inside else f"{method} ({len(inside)} kernels for {calls} calls)",
-                    sorted({k[2] for k in inside})[:8])
+        out[tag] = (us, method + why, sorted({k[2] for k in inside})[:8])
     return out
 
 
@@ -851,9 +856,4 @@ def table() -> str:
     return "\n".join(lines)
 
 
-text = table()
-(OUT / "table.txt").write_text(text + "\n")
-print()
-print(text)
-print(f"\ntotal {BUDGET - LOG.left():.0f} s of {BUDGET:.0f}; results in {LOG.path}")
-sys.exit(1 if LOG.failed else 0)
+LOG.finish(table(), OUT)
