@@ -247,6 +247,16 @@ fn gpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(out)
 }
 
+/// The canonical form of a `RMSNORM_FFI_GPU_PLAN` value (the CUDA kernel-variant knob,
+/// `handlers::gpu::variant`), checked without a GPU: `"default"` for the default plan.
+/// `ValueError` names the bad key or value.
+#[pyfunction]
+fn parse_gpu_plan(text: &str) -> PyResult<String> {
+    crate::handlers::gpu::variant::Variant::parse(text)
+        .map(|v| v.to_string())
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("RMSNORM_FFI_GPU_PLAN: {e}")))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(registrations, m)?)?;
@@ -262,6 +272,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         xla_ffi_bundles::ffi::export::LIBRARY_ABI_VERSION,
     )?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_gpu_plan, m)?)?;
     m.add(
         "XLA_FFI_API_VERSION",
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),

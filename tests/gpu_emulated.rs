@@ -482,7 +482,9 @@ fn clean_teardown(fake: &Fake, before: &emu::Counters, whose: &str) -> Result<()
 /// forward's y and rstd at h bit for bit. With a scale offset the weights are zero-centred (as
 /// Gemma's: the offset carries the scale); with `dh`, dx must also be within one unit of the
 /// correctly rounded float64 value ([`check_dx_with_dh`]).
-fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
+/// One case through the GPU bundles, checked against float64 and the CPU bundles (and its fused
+/// residual forward against the plain one); the GPU's outputs when every check passes.
+fn run_case(fake: &'static Fake, case: &Case) -> Result<Outputs, String> {
     let tag = format!("{case:?}");
     let in_context = |e: String| format!("{tag}: {e}");
     let (groups, n) = (case.groups, case.n);
@@ -573,7 +575,7 @@ fn run_case(fake: &'static Fake, case: &Case) -> Result<(), String> {
         }
         compare("residual y vs the CPU bundle", &gy, &cy, 2.0 * tol).map_err(in_context)?;
     }
-    Ok(())
+    Ok(out)
 }
 
 /// y and rstd (as float64) and h's bytes.
@@ -1528,6 +1530,161 @@ fn stamped_pairs(cases: &[Case]) -> String {
     lines.join(" ")
 }
 
+/// Plan overrides (`RMSNORM_FFI_GPU_PLAN`, src/handlers/gpu/variant.rs) the emulated matrix
+/// runs: a different team per row (fwd_vpt, and bounds that cap it: other reduction orders,
+/// folds between cached vectors) and launch-only knobs (a persistent grid whose blocks loop
+/// over rows, smaller blocks), each with its defines compiled by NVRTC and the emulator alike.
+const VARIANTS: [&str; 3] = [
+    "fwd_vpt=8,persistent=1",
+    "fwd_block=64,fwd_bounds=128:8,persistent=3",
+    "fwd_block=1024,persistent=2",
+];
+
+/// The forward's team for a case under `variant` (its reduction order: the same team, the same
+/// sums in the same order).
+fn forward_team(case: &Case, variant: &gpu::variant::Variant) -> u32 {
+    let vectorized = gpu::plan::can_vectorize(case.x, case.n, &[case.misalign as u64]);
+    let rows = case.groups * case.rows;
+    gpu::plan::forward_launch(case.x, case.n, rows, vectorized, variant, 4).team
+}
+
+/// The quick matrix under `variant` with the emulated `library`: failures, and how many cases
+/// kept the default's team and gave its y and rstd bit for bit (`default`: the default plan's
+/// outputs).
+fn run_variant(
+    fake: &'static Fake,
+    text: &str,
+    library: &Path,
+    cases: &[Case],
+    default: &[Outputs],
+) -> (Vec<String>, usize) {
+    use gpu::variant::{Variant, ENV};
+    let variant = Variant::parse(text).unwrap();
+    fake.use_kernels(library).unwrap();
+    std::env::set_var(ENV, text);
+    let mut failures = Vec::new();
+    // The state says which plan it took (stats()'s details).
+    {
+        let ctx = gpu_context(fake, &cases[0]);
+        fake::instantiate(&ctx, &gpu::FORWARD_BUNDLE, fwd_attrs(&cases[0])).unwrap();
+        let plan = xla_ffi_bundles::state::snapshot()
+            .states
+            .iter()
+            .rev()
+            .find(|s| s.target == gpu::FORWARD_TARGET)
+            .and_then(|s| s.details.get("plan").cloned());
+        if plan.as_deref() != Some(variant.to_string().as_str()) {
+            failures.push(format!("{text}: the state's plan detail is {plan:?}"));
+        }
+    }
+    let mut same_bits = 0;
+    for (i, (case, want)) in cases.iter().zip(default).enumerate() {
+        let out = match run_case(fake, case) {
+            Ok(out) => out,
+            Err(e) => {
+                failures.push(format!("{text}: case {i}: {e}"));
+                continue;
+            }
+        };
+        if forward_team(case, &variant) == forward_team(case, &Variant::default()) {
+            if out.y != want.y || out.rstd != want.rstd {
+                failures.push(format!(
+                    "{text}: case {i} {case:?}: the default's team, other bits"
+                ));
+            }
+            same_bits += 1;
+        }
+    }
+    std::env::remove_var(ENV);
+    (failures, same_bits)
+}
+
+#[test]
+fn kernel_variants_pass_the_matrix_with_the_default_bits_where_the_team_is_the_same() {
+    use gpu::variant::Variant;
+    let Some((fake, _guard)) = setup() else {
+        return;
+    };
+    let start = std::time::Instant::now();
+    let quick = quick_matrix();
+    let default: Vec<Outputs> = quick
+        .iter()
+        .map(|c| run_case(fake, c).unwrap_or_else(|e| panic!("default plan: {e}")))
+        .collect();
+    // The emulated kernels of the variants with defines, and a planted fault in the first
+    // one's (the fold between cached vectors drops its partial), built in parallel.
+    let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_variants_{}", std::process::id()));
+    let pairs = stamped_pairs(&quick);
+    let fold = "            ss.add(part);\n            part = A(0);\n          }";
+    let mut sources: Vec<(usize, String)> = Vec::new();
+    for (i, text) in VARIANTS.iter().enumerate() {
+        let v = Variant::parse(text).unwrap();
+        if !v.defines().is_empty() {
+            sources.push((i, kernels::source_for(&v)));
+        }
+        // The product's module for the variant (NVRTC), loaded while the full emulated build is
+        // in use (every kernel's name resolved): the subset builds have only what the cases run.
+        resources::module_for(0, &v).unwrap();
+    }
+    let planted = kernels::source_for(&Variant::parse(VARIANTS[0]).unwrap());
+    assert_eq!(planted.matches(fold).count(), 1, "the fold's text changed");
+    sources.push((
+        VARIANTS.len(),
+        planted.replacen(fold, "            part = A(0);\n          }", 1),
+    ));
+    let libraries: Vec<(usize, PathBuf)> = std::thread::scope(|s| {
+        let handles: Vec<_> = sources
+            .iter()
+            .map(|(i, src)| {
+                let (dir, pairs) = (&dir, pairs.as_str());
+                s.spawn(move || {
+                    let lib = emu::build_kernels_from(src, Some(pairs), &dir.join(i.to_string()))
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    (*i, lib)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let library = |i: usize| {
+        libraries
+            .iter()
+            .find(|(j, _)| *j == i)
+            .map_or_else(emu::emulated_kernels, |(_, l)| l.clone())
+    };
+    let mut failures = Vec::new();
+    for (i, text) in VARIANTS.iter().enumerate() {
+        let (f, same) = run_variant(fake, text, &library(i), &quick, &default);
+        println!(
+            "{text}: {} cases, {same} with the default's team and bits",
+            quick.len()
+        );
+        failures.extend(f);
+    }
+    // The planted fold: the product's module of the first variant, the planted kernels.
+    let (planted_failures, _) = run_variant(
+        fake,
+        VARIANTS[0],
+        &library(VARIANTS.len()),
+        &quick,
+        &default,
+    );
+    fake.use_kernels(&emu::emulated_kernels()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(first) = planted_failures.first() {
+        println!(
+            "caught the planted fold: {}",
+            first.chars().take(300).collect::<String>()
+        );
+    }
+    println!("variants: {:.1} s", start.elapsed().as_secs_f64());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        !planted_failures.is_empty(),
+        "a fold that drops its partial passed the variant's matrix"
+    );
+}
+
 #[test]
 fn planted_bugs_make_the_matrix_fail() {
     let Some((fake, _guard)) = setup() else {
@@ -1565,7 +1722,7 @@ fn planted_bugs_make_the_matrix_fail() {
     // The module (every kernel's name resolved) loaded while the full build is in use: the
     // variants have only the subset's kernels, which is all the subset launches.
     for case in &quick {
-        resources::module_for(case.device).unwrap();
+        resources::module_for(case.device, &gpu::variant::Variant::default()).unwrap();
     }
     let mut report = Vec::new();
     let mut missed = Vec::new();
@@ -1685,7 +1842,7 @@ fn launches_outside_the_limits_or_the_parameter_table_are_refused() {
     let Some((fake, _guard)) = setup() else {
         return;
     };
-    let module = resources::module_for(0).unwrap();
+    let module = resources::module_for(0, &gpu::variant::Variant::default()).unwrap();
     let stream = xla_ffi_bundles::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
     let fwd =
         kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();
@@ -1785,7 +1942,7 @@ fn an_out_of_bounds_write_fails_the_launch() {
     let Some((fake, _guard)) = setup() else {
         return;
     };
-    let module = resources::module_for(0).unwrap();
+    let module = resources::module_for(0, &gpu::variant::Variant::default()).unwrap();
     let stream = xla_ffi_bundles::ffi::Stream::from_raw(fake.stream(0) as *mut std::ffi::c_void);
     let fwd =
         kernels::kernel_index(kernels::Direction::Forward, DataType::F32, None, false).unwrap();

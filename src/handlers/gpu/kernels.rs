@@ -9,6 +9,7 @@ use once_cell::sync::{Lazy, OnceCell};
 use parking_lot::Mutex;
 
 use super::driver::{self, Compiled, GpuError, GpuResult, KernelSignature, Param};
+use super::variant::Variant;
 use crate::handlers::contract::DtypePair;
 use xla_ffi_bundles::ffi::DataType;
 
@@ -245,16 +246,29 @@ pub fn target_arch(cc: i32, supported: &[i32]) -> GpuResult<String> {
 }
 
 type Cell = Arc<OnceCell<Arc<Compiled>>>;
-static CACHE: Lazy<Mutex<HashMap<i32, Cell>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static CACHE: Lazy<Mutex<HashMap<(i32, String), Cell>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
-/// The kernels compiled for compute capability `cc`: compiled once per process per
-/// capability (concurrent callers wait for the first), then shared.
-pub fn compiled_for(cc: i32) -> GpuResult<Arc<Compiled>> {
-    let cell = CACHE.lock().entry(cc).or_default().clone();
+/// The source NVRTC compiles for `variant`: its `#define` lines, then rmsnorm.cu (the file
+/// itself for the default plan).
+pub fn source_for(variant: &Variant) -> String {
+    variant.defines() + SOURCE
+}
+
+/// The kernels compiled for compute capability `cc` and the variant's defines: compiled once
+/// per process per (capability, defines) (concurrent callers wait for the first), then shared.
+/// Variants that define nothing (launch-only knobs) share the default plan's.
+pub fn compiled_for(cc: i32, variant: &Variant) -> GpuResult<Arc<Compiled>> {
+    let cell = CACHE
+        .lock()
+        .entry((cc, variant.defines()))
+        .or_default()
+        .clone();
     cell.get_or_try_init(|| {
         let nvrtc = driver::nvrtc()?;
         let arch = target_arch(cc, &nvrtc.supported_archs()?)?;
-        nvrtc.compile(SOURCE, "rmsnorm.cu", &arch).map(Arc::new)
+        nvrtc
+            .compile(&source_for(variant), "rmsnorm.cu", &arch)
+            .map(Arc::new)
     })
     .cloned()
 }

@@ -30,6 +30,7 @@ pub mod driver;
 pub mod kernels;
 pub mod plan;
 pub mod resources;
+pub mod variant;
 
 use super::operands::{
     backward_operands, check_eps, check_row_len, check_scale_offset, forward_operands,
@@ -39,6 +40,7 @@ use super::operands::{
 use driver::{GpuError, LaunchConfig};
 use kernels::Direction;
 use resources::DeviceSlots;
+use variant::Variant;
 use xla_ffi_bundles::ffi::{
     AnyBuffer, ArgsView, Bundle, BundleDef, Context, Cuda, DataType, Execute, FfiError, FfiResult,
     Initialize, Instantiate, ResultList, Stage, Traits,
@@ -60,8 +62,15 @@ impl From<GpuError> for FfiError {
     }
 }
 
-/// Compiles the kernels for every visible device's capability (instantiate has no device).
-fn compile_for_visible_devices() -> FfiResult<()> {
+/// The kernel variant `RMSNORM_FFI_GPU_PLAN` names (a tuning knob, see [`variant`]), read at
+/// every instantiate: a bad value fails compilation of the JAX program, naming the knob.
+fn variant_from_env() -> FfiResult<Variant> {
+    Variant::from_env().map_err(|e| FfiError::invalid_argument(format!("rmsnorm_ffi: {e}")))
+}
+
+/// Compiles the kernels of `variant` for every visible device's capability (instantiate has
+/// no device).
+fn compile_for_visible_devices(variant: &Variant) -> FfiResult<()> {
     let cuda = driver::cuda()?;
     let count = cuda.device_count()?;
     if count == 0 {
@@ -73,7 +82,7 @@ fn compile_for_visible_devices() -> FfiResult<()> {
     for ordinal in 0..count {
         let cc = cuda.capability(ordinal)?;
         if !seen.contains(&cc) {
-            kernels::compiled_for(cc)?;
+            kernels::compiled_for(cc, variant)?;
             seen.push(cc);
         }
     }
@@ -89,6 +98,8 @@ pub struct GpuForwardState {
     offset: Option<f32>,
     has_weight: bool,
     row_len: usize,
+    /// The plan override read at instantiate (the default plan unless the knob is set).
+    variant: Variant,
     devices: DeviceSlots,
 }
 xla_ffi_bundles::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardState");
@@ -103,6 +114,8 @@ pub struct GpuBackwardState {
     has_dh: bool,
     has_weight: bool,
     row_len: usize,
+    /// The backward's share of the plan override (none yet: [`Variant::for_backward`]).
+    variant: Variant,
     devices: DeviceSlots,
 }
 xla_ffi_bundles::state_type!(GpuBackwardState, "rmsnorm_ffi.RmsNormGpuBackwardState");
@@ -120,13 +133,17 @@ impl GpuForwardState {
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
-        compile_for_visible_devices()?;
+        let variant = variant_from_env()?;
+        compile_for_visible_devices(&variant)?;
+        let live = LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState");
+        live.set_detail("plan", variant.to_string());
         Ok(GpuForwardState {
-            live: LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState"),
+            live,
             eps: attrs.eps,
             offset,
             has_weight: attrs.has_weight,
             row_len,
+            variant,
             devices: DeviceSlots::default(),
         })
     }
@@ -195,9 +212,14 @@ type Slot = std::sync::Arc<once_cell::sync::OnceCell<resources::DeviceSlot>>;
 fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> FfiResult<Slot> {
     let stream = ctx.stream()?;
     let device = driver::cuda()?.stream_device(stream)?;
-    state
-        .devices
-        .get_or_acquire(&state.live, stream, &device, stage, |_, _| 0)
+    state.devices.get_or_acquire(
+        &state.live,
+        stream,
+        &device,
+        stage,
+        &state.variant,
+        |_, _| 0,
+    )
 }
 
 pub struct GpuBackward;
@@ -220,13 +242,17 @@ impl Instantiate for GpuBackward {
             )));
         }
         let offset = check_scale_offset(attrs.scale_offset)?;
-        compile_for_visible_devices()?;
+        let variant = variant_from_env()?.for_backward();
+        compile_for_visible_devices(&variant)?;
+        let live = LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState");
+        live.set_detail("plan", variant.to_string());
         Ok(GpuBackwardState {
-            live: LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState"),
+            live,
             offset,
             has_dh: attrs.has_dh == Some(true),
             has_weight: attrs.has_weight,
             row_len,
+            variant,
             devices: DeviceSlots::default(),
         })
     }
@@ -275,6 +301,7 @@ fn backward_slot(
         stream,
         &device,
         stage,
+        &state.variant,
         |sm_count, max_cluster| {
             plan::backward_scratch_bytes(
                 x,
@@ -383,7 +410,14 @@ fn launch_forward(
     let vectorized = layout.n > 0 && vectorized;
     let index = kernels::kernel_index(direction, xd, wd, vectorized)
         .ok_or_else(|| missing_kernel(xd, wd))?;
-    let launch = plan::forward_launch(xd, layout.n, layout.rows, vectorized);
+    let launch = plan::forward_launch(
+        xd,
+        layout.n,
+        layout.rows,
+        vectorized,
+        &state.variant,
+        slot.sm_count,
+    );
     let config = LaunchConfig {
         grid: launch.grid,
         block: (launch.block, 1),

@@ -2,7 +2,8 @@
 //! shape, and the weight-gradient scratch those launches use. Plain arithmetic, tested on the
 //! CPU; the emulated matrix (tests/gpu_emulated.rs) runs every plan on the kernels.
 
-use super::kernels::{size_of, wide_size_of, Direction};
+use super::kernels::{size_of, wide_size_of};
+use super::variant::Variant;
 use crate::handlers::operands::acc_dtype;
 use xla_ffi_bundles::ffi::DataType;
 
@@ -15,10 +16,11 @@ pub fn vec_width(x: DataType, vectorized: bool) -> usize {
     }
 }
 
-/// Vectors each thread caches (the VPT stamped in rmsnorm.cu).
-pub fn vectors_per_thread(dir: Direction, x: DataType, vectorized: bool) -> usize {
-    match (dir, vectorized, size_of(x)) {
-        (Direction::Backward, true, 4) => 8,
+/// Vectors each backward thread caches (the VPT stamped in rmsnorm.cu); the forward's is its
+/// variant's ([`Variant::fwd_vpt`]: 4 by default).
+pub fn backward_vectors_per_thread(x: DataType, vectorized: bool) -> usize {
+    match (vectorized, size_of(x)) {
+        (true, 4) => 8,
         _ => 4,
     }
 }
@@ -72,19 +74,26 @@ fn team_size(n: usize, vec: usize, vpt: usize, min: usize, max: usize) -> usize 
 /// idles; docs/gpu-traffic.md measured teams of 32 there at 8 of 32 lanes busy for rows of 64
 /// bfloat16), long rows a block of up to 1024 threads; one row per team, no grid-stride needed
 /// below 2^31 blocks. Batched weights need nothing more: the kernel picks a row's weight row
-/// from its index.
-pub fn forward_launch(x: DataType, n: usize, rows: usize, vectorized: bool) -> Launch {
+/// from its index. A [`Variant`] sets the vectors per thread, the smallest block, the most
+/// threads (rows needing a larger team stream) and, `persistent`, a grid of at most that many
+/// blocks per multiprocessor (`sm_count` of them), the kernel's row loop taking the rest.
+pub fn forward_launch(
+    x: DataType,
+    n: usize,
+    rows: usize,
+    vectorized: bool,
+    variant: &Variant,
+    sm_count: usize,
+) -> Launch {
     let vec = vec_width(x, vectorized);
-    let team = team_size(
-        n,
-        vec,
-        vectors_per_thread(Direction::Forward, x, vectorized),
-        1,
-        1024,
-    );
-    let block = team.max(256);
+    let max_threads = variant.fwd_max_threads();
+    let team = team_size(n, vec, variant.fwd_vpt(), 1, max_threads);
+    let block = team.max(variant.fwd_min_block());
     let teams = block / team;
-    let grid = rows.div_ceil(teams).clamp(1, i32::MAX as usize);
+    let mut grid = rows.div_ceil(teams).clamp(1, i32::MAX as usize);
+    if variant.persistent() > 0 {
+        grid = grid.min(variant.persistent() * sm_count.max(1));
+    }
     Launch {
         grid: grid as u32,
         block: block as u32,
@@ -107,7 +116,7 @@ pub fn backward_cluster(x: DataType, n: usize, vectorized: bool, max_cluster: us
         return 1;
     }
     let nv = n / vec_width(x, true);
-    let cached = BACKWARD_BLOCK as usize * vectors_per_thread(Direction::Backward, x, true);
+    let cached = BACKWARD_BLOCK as usize * backward_vectors_per_thread(x, true);
     if nv <= cached {
         return 1;
     }
@@ -146,7 +155,7 @@ pub fn backward_launch(
 ) -> Launch {
     let vec = vec_width(x, vectorized);
     let block = BACKWARD_BLOCK as usize;
-    let vpt = vectors_per_thread(Direction::Backward, x, vectorized);
+    let vpt = backward_vectors_per_thread(x, vectorized);
     let wide = wide_size_of(acc_dtype(x));
     let cluster = backward_cluster(x, n, vectorized, max_cluster.min(sm_count.max(1)));
     let mut team = team_size(n, vec, vpt, 32, block);
@@ -282,11 +291,12 @@ mod tests {
     #[test]
     fn launch_shapes() {
         // Short rows: several rows per block.
-        let l = forward_launch(DataType::BF16, 1024, 4096, true);
+        let d = Variant::default();
+        let l = forward_launch(DataType::BF16, 1024, 4096, true, &d, 132);
         assert_eq!((l.team, l.block), (32, 256));
         assert_eq!(l.grid, 4096 / 8);
         // Long rows: one row per block, every vector cached (nv <= team * 4).
-        let l = forward_launch(DataType::F32, 16384, 10, true);
+        let l = forward_launch(DataType::F32, 16384, 10, true, &d, 132);
         assert_eq!((l.team, l.block, l.grid), (1024, 1024, 10));
         let l = backward_launch(DataType::BF16, 16384, 1, 4096, true, 132, true, 1);
         // 32 rows per block: 128 blocks (no block left without rows).
@@ -314,6 +324,34 @@ mod tests {
             backward_launch(DataType::F32, 8, 1, 0, false, 64, true, 1).grid,
             1
         );
+    }
+
+    #[test]
+    fn forward_variants_change_only_what_they_name() {
+        let v = |s: &str| Variant::parse(s).unwrap();
+        // 4096 rows of 1024 bfloat16 (128 vectors): teams of 32 by default, 16 with 8 vectors
+        // per thread (16 teams per block of 256).
+        let l = forward_launch(DataType::BF16, 1024, 4096, true, &v("fwd_vpt=8"), 132);
+        assert_eq!((l.team, l.block, l.grid), (16, 256, 4096 / 16));
+        // A smaller block, and a persistent grid of 2 blocks per multiprocessor.
+        let l = forward_launch(
+            DataType::BF16,
+            1024,
+            4096,
+            true,
+            &v("fwd_block=64,persistent=2"),
+            132,
+        );
+        assert_eq!((l.team, l.block, l.grid), (32, 64, 264));
+        // The persistent cap never raises the grid.
+        let l = forward_launch(DataType::F32, 16384, 10, true, &v("persistent=2"), 132);
+        assert_eq!(l.grid, 10);
+        // Bounds of 256 threads: rows of 16384 float32 (4096 vectors) get a team of 256, which
+        // caches 1024 of them (the kernel streams the row); the block is the bound.
+        let l = forward_launch(DataType::F32, 16384, 10, true, &v("fwd_bounds=256:4"), 132);
+        assert_eq!((l.team, l.block, l.grid), (256, 256, 10));
+        let l = forward_launch(DataType::F32, 256, 100, true, &v("fwd_bounds=128"), 132);
+        assert_eq!((l.team, l.block), (16, 128));
     }
 
     #[test]
@@ -504,7 +542,7 @@ mod tests {
                 );
                 assert_eq!(got, want, "{line}");
             } else {
-                let l = forward_launch(x, n, rows, vectorized);
+                let l = forward_launch(x, n, rows, vectorized, &Variant::default(), 1);
                 let want = (l.grid as usize, l.block as usize, l.team as usize);
                 assert_eq!(
                     (field("grid"), field("block"), field("team")),

@@ -21,12 +21,15 @@ use once_cell::sync::{Lazy, OnceCell};
 use super::driver::{self, CaptureStatus, DeviceAllocation, Module, StreamDevice};
 use super::kernels;
 use super::plan;
+use super::variant::Variant;
 use xla_ffi_bundles::ffi::{FfiError, FfiResult, Stage, Stream};
 use xla_ffi_bundles::state::LiveState;
 
 type Cell<T> = Arc<OnceCell<T>>;
 
-static MODULES: Lazy<DashMap<i32, Cell<Arc<Module>>>> = Lazy::new(DashMap::new);
+/// A module's key: the CUDA device and the variant's defines ([`Variant::defines`]).
+type ModuleKey = (i32, String);
+static MODULES: Lazy<DashMap<ModuleKey, Cell<Arc<Module>>>> = Lazy::new(DashMap::new);
 static MODULES_LOADED: AtomicUsize = AtomicUsize::new(0);
 
 /// Modules loaded in this process (one per CUDA device used).
@@ -34,13 +37,17 @@ pub fn modules_loaded() -> usize {
     MODULES_LOADED.load(Ordering::Relaxed)
 }
 
-/// The kernels loaded on CUDA device `device`: loaded on first use (concurrent callers wait for
-/// the first), then shared.
-pub fn module_for(device: i32) -> FfiResult<Arc<Module>> {
-    let cell = MODULES.entry(device).or_default().clone();
+/// The kernels of `variant` loaded on CUDA device `device`: loaded on first use (concurrent
+/// callers wait for the first), then shared by every state whose variant has the same defines
+/// (one module per device for the default plan).
+pub fn module_for(device: i32, variant: &Variant) -> FfiResult<Arc<Module>> {
+    let cell = MODULES
+        .entry((device, variant.defines()))
+        .or_default()
+        .clone();
     let module = cell.get_or_try_init(|| -> FfiResult<Arc<Module>> {
         let cuda = driver::cuda()?;
-        let compiled = kernels::compiled_for(cuda.capability(device)?)?;
+        let compiled = kernels::compiled_for(cuda.capability(device)?, variant)?;
         let module = Module::load(device, &compiled.image(), &kernels::KERNELS)?;
         MODULES_LOADED.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(module))
@@ -75,8 +82,8 @@ pub struct DeviceSlots {
 
 impl DeviceSlots {
     /// The resources for the call's `stream` on `device`, acquired now if this is the first
-    /// call there (`stage` says which stage did, for `stats()`): the shared module and
-    /// `scratch_bytes(sm_count, max_cluster)` (0: none) of scratch.
+    /// call there (`stage` says which stage did, for `stats()`): the shared module of the
+    /// state's `variant` and `scratch_bytes(sm_count, max_cluster)` (0: none) of scratch.
     ///
     /// Acquiring is not legal while the stream is being captured into a CUDA graph (XLA runs
     /// initialize before it records, so this only happens if it did not): then this fails with
@@ -87,6 +94,7 @@ impl DeviceSlots {
         stream: Stream,
         device: &StreamDevice,
         stage: Stage,
+        variant: &Variant,
         scratch_bytes: impl FnOnce(usize, usize) -> usize,
     ) -> FfiResult<Cell<DeviceSlot>> {
         let cell = match self.by_device.get(&device.device) {
@@ -108,7 +116,7 @@ impl DeviceSlots {
             }
         }
         cell.get_or_try_init(|| -> FfiResult<DeviceSlot> {
-            let module = module_for(device.device)?;
+            let module = module_for(device.device, variant)?;
             let cuda = driver::cuda()?;
             let sm_count = cuda.sm_count(device.device)?.max(1) as usize;
             let max_cluster = if cuda.has_clusters(device.device)? {

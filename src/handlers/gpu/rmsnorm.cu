@@ -449,11 +449,18 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
     A part = A(0);
     Pack<T, VEC> cache[VPT];
     if (cached) {
-      // At most VPT * VEC <= FOLD_ELEMS elements per thread: one partial.
+      // One partial per FOLD_ELEMS elements: the default VPT * VEC <= FOLD_ELEMS is one per
+      // row; a variant caching more (FWD_VPT 8 of 8-element vectors) folds in between.
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
         if (valid && v < nv) cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+        if constexpr (VPT * VEC > FOLD_ELEMS) {
+          if ((k + 1) % fold_packs == 0 && k + 1 < VPT) {
+            ss.add(part);
+            part = A(0);
+          }
+        }
       }
     } else if (valid) {
       int packs = 0;
@@ -1007,8 +1014,22 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 // thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
 // (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
 // ------------------------------------------------------------------------------------------
+// Kernel variants (src/handlers/gpu/variant.rs, RMSNORM_FFI_GPU_PLAN) define FWD_VPT,
+// FWD_MAX_THREADS and FWD_MIN_BLOCKS before this file; without them, the defaults below.
+#if !defined(FWD_VPT)
+#define FWD_VPT 4
+#endif
+#if !defined(FWD_MAX_THREADS)
+#define FWD_MAX_THREADS 1024
+#endif
+#if defined(FWD_MIN_BLOCKS)
+#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS, FWD_MIN_BLOCKS)
+#else
+#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS)
+#endif
+
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
-  extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
+  extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, float offset, i64 rows_per_group) {                                        \
     rmsnorm_fwd_impl<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team,  \
@@ -1016,7 +1037,7 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   }
 
 #define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
-  extern "C" __global__ void __launch_bounds__(1024) NAME(                                   \
+  extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
       int n, int team, float eps, float offset, i64 rows_per_group) {                       \
     rmsnorm_fwd_impl<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps,   \
@@ -1034,13 +1055,13 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   }
 
 #define STAMP(XN, T, WN, W)                                                                   \
-  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                          \
-  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                         \
+  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)                    \
+  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)                                   \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
             false)                                                                            \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_s, T, W, 1, 4, false)                                  \
-  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)                 \
-  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, 4)                                \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)           \
+  RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)                          \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_c, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
             true)
 
