@@ -434,8 +434,8 @@ def kernel_times(jobs: dict, calls: int) -> dict:
 
 
 def build(impl: str, variant: str, direction: str, dt, w, xs: list, torch_xs):
-    """A warmed job (kind, callable, argument sets, jax function, plan): jax ones compiled ahead (a Compiled object
-    survives jax.clear_caches, and ours compiles and first runs with its plan set)."""
+    """A warmed job (kind, callable, argument sets, jax function, plan): jax ones compiled ahead
+    (a Compiled object survives jax.clear_caches; ours compiles and first runs with its plan)."""
     if impl in TORCH:
         import torch
 
@@ -456,7 +456,9 @@ def build(impl: str, variant: str, direction: str, dt, w, xs: list, torch_xs):
         import cupy
 
         kernel = cupy_copy()
-        srcs = [cupy.from_dlpack(x) for x in xs]
+        # XLA's buffers seen as raw words (CuPy has no bfloat16), alive as long as xs.
+        srcs = [cupy.ndarray((x.nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(
+            cupy.cuda.UnownedMemory(x.unsafe_buffer_pointer(), x.nbytes, x), 0)) for x in xs]
         dst = cupy.empty_like(srcs[0])
         n16 = srcs[0].nbytes // 16
         blocks = min(max(1, -(-n16 // 256)), DEV_SMS * 8)
@@ -614,7 +616,7 @@ def time_shape(dt, direction: str, M: int, N: int, cross_check: bool) -> int:
     nbuf = int(min(64, max(2, -(-4 * L2 // nbytes))))
     calls = max(2 * nbuf, 10 if OPTS.dry_run else 24)
     make = jax.jit(lambda k: jax.random.normal(k, (M, N), dt))  # made on the device
-    xs = [make(k) for k in jax.random.split(jax.random.key(M * 7 + N), nbuf)]
+    xs = jax.block_until_ready([make(k) for k in jax.random.split(jax.random.key(M * 7 + N), nbuf)])
     w = on(jnp.asarray(RNG.uniform(0.5, 1.5, N), dt))
     torch_xs = None
     if any(callable(f) for f in TORCH.values()) and direction != "res":
