@@ -99,7 +99,8 @@ VARIANTS = {
     "default": ("", ALL),
     "vpt2": ("fwd_vpt=2", FWD),
     "vpt8": ("fwd_vpt=8", FWD),
-    "b128": ("fwd_block=128,fwd_bounds=128:8", FWD),
+    "block128": ("fwd_block=128", FWD),
+    "bounds128": ("fwd_bounds=128:8", FWD),  # blocks of at most 128 threads, 8 per multiprocessor
     "bounds256": ("fwd_bounds=256:4", FWD),
     "persistent4": ("persistent=4", FWD),
     "vpt8_persistent8": ("fwd_vpt=8,persistent=8", FWD),
@@ -526,6 +527,9 @@ def smoke():
             normalized[name] = parse(plan) if parse else "(parse_gpu_plan absent: not checked)"
         except ValueError as e:
             bad.append(f"{name}: {e}")
+    if parse:  # two names for one plan would time the same module twice
+        twins = [n for n in normalized if list(normalized.values()).count(normalized[n]) > 1]
+        bad += [f"{n}: the same plan as another variant ({normalized[n]})" for n in twins]
     x = on(jnp.ones((8, 128), jnp.float32))
     y = np.asarray(rmsnorm_ffi.rms_norm(x))
     LOG.record("smoke", jax=jax.__version__, device=DEVICE, devices=str(jax.devices()), l2_bytes=L2,
