@@ -26,10 +26,12 @@ def test_wrong_dtype_is_diagnosed_in_rust():
 
 def test_wrong_attribute_type_missing_and_unexpected_are_reported_together():
     with pytest.raises(XlaError) as info:
-        raw_scaled_copy(jnp.ones((2, 3), jnp.float32), scale=1.0, extra=np.int32(1))
+        raw_scaled_copy(jnp.ones((2, 3), jnp.float32), scale=0.1, extra=np.int32(1))
     message = str(info.value)
     assert "[instantiate] failed to decode the call frame" in message
-    assert "wrong type for attribute `scale`: expected F32 scalar, got F64 scalar" in message
+    # A Python float that F32 cannot hold exactly (one that it can is taken: test_register_library).
+    assert ("wrong type for attribute `scale`: expected F32 scalar, got F64 scalar 0.1, which F32 cannot "
+            "hold exactly: pass np.float32(0.1)") in message
     assert "missing attribute `row_len` (S64 scalar)" in message
     assert "unexpected attribute `extra`" in message
 

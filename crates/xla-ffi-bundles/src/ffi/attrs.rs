@@ -232,6 +232,26 @@ impl Scalar {
         Ok(value)
     }
 
+    /// The value as text ("0.1", "true"), empty for [`Scalar::Other`].
+    fn value_text(&self) -> String {
+        match self {
+            Scalar::Pred(v) => v.to_string(),
+            Scalar::S8(v) => v.to_string(),
+            Scalar::S16(v) => v.to_string(),
+            Scalar::S32(v) => v.to_string(),
+            Scalar::S64(v) => v.to_string(),
+            Scalar::U8(v) => v.to_string(),
+            Scalar::U16(v) => v.to_string(),
+            Scalar::U32(v) => v.to_string(),
+            Scalar::U64(v) => v.to_string(),
+            Scalar::F16(v) => v.to_string(),
+            Scalar::BF16(v) => v.to_string(),
+            Scalar::F32(v) => v.to_string(),
+            Scalar::F64(v) => v.to_string(),
+            Scalar::Other(_) => String::new(),
+        }
+    }
+
     /// The dtype of the scalar.
     pub fn dtype(&self) -> DataType {
         match self {
@@ -325,6 +345,24 @@ impl AttrValue<'_> {
             AttrValue::Dictionary(_) => "dictionary".into(),
         }
     }
+
+    /// The kind with the value where it is short, for mismatch messages: "F64 scalar 0.1",
+    /// `string "fsat"` (so that a misspelt enum name or an inexact float is visible in the
+    /// error; strings longer than 64 characters are cut).
+    pub fn describe(&self) -> String {
+        match self {
+            AttrValue::Scalar(Scalar::Other(d)) => format!("{d} scalar"),
+            AttrValue::Scalar(s) => format!("{} scalar {}", s.dtype(), s.value_text()),
+            AttrValue::String(bytes) => {
+                let text = String::from_utf8_lossy(bytes);
+                match text.char_indices().nth(64) {
+                    Some((cut, _)) => format!("string {:?}...", &text[..cut]),
+                    None => format!("string {text:?}"),
+                }
+            }
+            other => other.kind(),
+        }
+    }
 }
 
 impl fmt::Debug for Attrs<'_> {
@@ -339,17 +377,25 @@ impl fmt::Debug for Attrs<'_> {
     }
 }
 
-/// Decoding of one attribute value into a Rust type. Dtypes must match exactly: an F64 scalar
-/// does not decode as `f32`, so a caller who passes a Python float gets told, not silently
-/// rounded.
+/// Decoding of one attribute value into a Rust type. Dtypes must match, with one exception
+/// for floats: JAX passes a Python float as an F64 scalar, so `f32` also takes an F64 scalar
+/// whose value F32 holds exactly (`0.5`, `1e30` is not) and `f64` takes any F32 scalar (widening
+/// is exact). A value that would be rounded is refused with the fix in the message, never
+/// silently rounded.
 pub trait FromAttr<'a>: Sized {
     /// What is expected, for messages ("F32 scalar").
     fn expected() -> String;
-    /// The value as `Self`, or `None` if its kind or dtype is not the expected one.
+    /// The value as `Self`, or `None` if its kind, dtype or value does not fit.
     fn from_attr(value: AttrValue<'a>) -> Option<Self>;
     /// The value to use when the attribute is absent; `None` makes it required.
     fn when_missing() -> Option<Self> {
         None
+    }
+    /// Why `value` did not decode (after [`FromAttr::from_attr`] returned `None`): by default
+    /// "expected F32 scalar, got string \"fast\"", the value included
+    /// ([`AttrValue::describe`]). Override it to name the fix.
+    fn mismatch(value: AttrValue<'a>) -> String {
+        format!("expected {}, got {}", Self::expected(), value.describe())
     }
 }
 
@@ -372,7 +418,50 @@ macro_rules! scalar_from_attr {
 scalar_from_attr! {
     bool => Pred, i8 => S8, i16 => S16, i32 => S32, i64 => S64,
     u8 => U8, u16 => U16, u32 => U32, u64 => U64,
-    f16 => F16, bf16 => BF16, f32 => F32, f64 => F64,
+    f16 => F16, bf16 => BF16,
+}
+
+/// `v` as an `f32` if that loses nothing (NaN stays NaN; infinities are exact).
+fn f32_exactly(v: f64) -> Option<f32> {
+    let narrow = v as f32;
+    (v.is_nan() || f64::from(narrow) == v).then_some(narrow)
+}
+
+impl<'a> FromAttr<'a> for f32 {
+    fn expected() -> String {
+        format!("{} scalar", DataType::F32)
+    }
+    fn from_attr(value: AttrValue<'a>) -> Option<Self> {
+        match value {
+            AttrValue::Scalar(Scalar::F32(v)) => Some(v),
+            // A Python float: taken when F32 holds it exactly.
+            AttrValue::Scalar(Scalar::F64(v)) => f32_exactly(v),
+            _ => None,
+        }
+    }
+    fn mismatch(value: AttrValue<'a>) -> String {
+        match value {
+            AttrValue::Scalar(Scalar::F64(v)) => format!(
+                "expected {}, got F64 scalar {v}, which F32 cannot hold exactly: pass \
+                 np.float32({v}) to round it",
+                Self::expected()
+            ),
+            other => format!("expected {}, got {}", Self::expected(), other.describe()),
+        }
+    }
+}
+
+impl<'a> FromAttr<'a> for f64 {
+    fn expected() -> String {
+        format!("{} scalar", DataType::F64)
+    }
+    fn from_attr(value: AttrValue<'a>) -> Option<Self> {
+        match value {
+            AttrValue::Scalar(Scalar::F64(v)) => Some(v),
+            AttrValue::Scalar(Scalar::F32(v)) => Some(f64::from(v)),
+            _ => None,
+        }
+    }
 }
 
 impl<'a> FromAttr<'a> for Scalar {
@@ -451,6 +540,83 @@ impl<'a, T: FromAttr<'a>> FromAttr<'a> for Option<T> {
     fn when_missing() -> Option<Self> {
         Some(None)
     }
+    fn mismatch(value: AttrValue<'a>) -> String {
+        T::mismatch(value)
+    }
+}
+
+/// What a string enum expects, for messages: `one of "fast", "exact" (string)`.
+pub fn describe_names(names: &[&str]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+    format!("one of {} (string)", quoted.join(", "))
+}
+
+/// Declares an enum decoded from a string attribute by name: a misspelt name is refused with
+/// the name received and every accepted one ("wrong type for attribute `mode`: expected one of
+/// \"fast\", \"exact\" (string), got string \"fsat\""). Each variant also gets
+/// `Enum::NAMES`, `name()` and `parse()`, for messages and for parsing elsewhere.
+///
+/// ```
+/// xla_ffi_bundles::ffi_string_enum! {
+///     /// How an example op rounds.
+///     pub enum Rounding {
+///         /// Round to nearest.
+///         Nearest = "nearest",
+///         /// Round toward zero.
+///         TowardZero = "toward_zero",
+///     }
+/// }
+/// assert_eq!(Rounding::parse("nearest"), Some(Rounding::Nearest));
+/// assert_eq!(Rounding::TowardZero.name(), "toward_zero");
+/// xla_ffi_bundles::ffi_attrs! {
+///     /// Attributes of the example op.
+///     pub struct ExampleAttrs {
+///         pub rounding: Rounding,
+///     }
+/// }
+/// ```
+#[macro_export]
+macro_rules! ffi_string_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident = $text:literal ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        $vis enum $name { $( $(#[$vmeta])* $variant ),+ }
+
+        impl $name {
+            /// The accepted names, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+
+            /// The name this variant is passed as.
+            pub fn name(self) -> &'static str {
+                match self { $( $name::$variant => $text ),+ }
+            }
+
+            /// The variant called `name`, if any.
+            pub fn parse(name: &str) -> ::std::option::Option<Self> {
+                match name {
+                    $( $text => ::std::option::Option::Some($name::$variant), )+
+                    _ => ::std::option::Option::None,
+                }
+            }
+        }
+
+        impl<'__a> $crate::ffi::attrs::FromAttr<'__a> for $name {
+            fn expected() -> ::std::string::String {
+                $crate::ffi::attrs::describe_names(Self::NAMES)
+            }
+            fn from_attr(
+                value: $crate::ffi::attrs::AttrValue<'__a>,
+            ) -> ::std::option::Option<Self> {
+                <&str as $crate::ffi::attrs::FromAttr<'__a>>::from_attr(value)
+                    .and_then(Self::parse)
+            }
+        }
+    };
 }
 
 /// Decodes the attribute `name` as `T`, recording a message on failure.
@@ -475,9 +641,8 @@ pub fn decode_field<'a, T: FromAttr<'a>>(
             let decoded = T::from_attr(value);
             if decoded.is_none() {
                 errors.push(format!(
-                    "wrong type for attribute `{name}`: expected {}, got {}",
-                    T::expected(),
-                    value.kind()
+                    "wrong type for attribute `{name}`: {}",
+                    T::mismatch(value)
                 ));
             }
             decoded

@@ -252,7 +252,7 @@ fn reports_every_decode_failure_together() {
         .arg(OwnedBuffer::from_values(&[2], &[bf16::ONE, bf16::ONE]))
         .arg(OwnedBuffer::from_values(&[1], &[1i32]))
         .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
-        .attr("f32v", OwnedAttr::scalar(1.0f64))
+        .attr("f32v", OwnedAttr::scalar(0.1f64))
         .attr("bogus", OwnedAttr::scalar(1i32))
         .attr("name", OwnedAttr::String(vec![0xff, 0xfe]))
         .build(&ctx);
@@ -261,7 +261,8 @@ fn reports_every_decode_failure_together() {
     for expected in [
         "probe: [execute] failed to decode the call frame",
         "wrong dtype for argument 0: expected F32, got BF16",
-        "wrong type for attribute `f32v`: expected F32 scalar, got F64 scalar",
+        "wrong type for attribute `f32v`: expected F32 scalar, got F64 scalar 0.1, which F32 \
+         cannot hold exactly: pass np.float32(0.1)",
         "unexpected attribute `bogus`",
         "missing attribute `b` (PRED scalar)",
         "missing attribute `ints` (S64 array)",
@@ -881,4 +882,54 @@ fn a_state_type_name_is_registered_once_as_xla_does() {
         format!("Type name rmsnorm_ffi.tests.Duplicate already registered with type id {id}")
     );
     assert_eq!(SameName::registration().type_id(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a newcomer hit (issue 44): Python floats for f32, string enums, stage tags, typed ranks
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn float_attributes_take_the_other_width_when_exact_and_name_the_fix_otherwise() {
+    use super::attrs::FromAttr;
+    let f64_scalar = |v: f64| AttrValue::Scalar(Scalar::F64(v));
+    // A Python float arrives as F64: exact values decode as f32, NaN and infinities too.
+    assert_eq!(f32::from_attr(f64_scalar(0.5)), Some(0.5));
+    assert_eq!(f32::from_attr(f64_scalar(-1e30f32 as f64)), Some(-1e30));
+    assert_eq!(
+        f32::from_attr(f64_scalar(f64::INFINITY)),
+        Some(f32::INFINITY)
+    );
+    assert!(f32::from_attr(f64_scalar(f64::NAN)).unwrap().is_nan());
+    // Rounding, overflow and underflow are refused with the fix in the message.
+    for inexact in [0.1, 1e300, 1e-300] {
+        assert_eq!(f32::from_attr(f64_scalar(inexact)), None, "{inexact}");
+        let message = f32::mismatch(f64_scalar(inexact));
+        assert!(
+            message.contains(&format!("pass np.float32({inexact})")),
+            "{message}"
+        );
+    }
+    // F32 widens to f64 exactly; an integer is still no float.
+    assert_eq!(
+        f64::from_attr(AttrValue::Scalar(Scalar::F32(0.1))),
+        Some(0.1f32 as f64)
+    );
+    assert_eq!(f32::from_attr(AttrValue::Scalar(Scalar::S32(1))), None);
+    assert_eq!(
+        f32::mismatch(AttrValue::Scalar(Scalar::S32(7))),
+        "expected F32 scalar, got S32 scalar 7"
+    );
+}
+
+#[test]
+fn an_f64_attribute_for_an_f32_field_instantiates_a_state() {
+    fake::register_type(ScaleState::registration()).unwrap();
+    let ctx = FakeContext::new();
+    let mut inst = FrameBuilder::new(Stage::Instantiate)
+        .attr("scale", OwnedAttr::scalar(0.75f64))
+        .attr("row_len", OwnedAttr::scalar(2i64))
+        .build(&ctx);
+    inst.call(SCALE.handler(Stage::Instantiate).unwrap())
+        .unwrap();
+    assert_eq!(ctx.state::<ScaleState>().unwrap().table, vec![0.75, 0.375]);
 }
