@@ -240,6 +240,27 @@ impl<'a, P: Platform> AnyBuffer<'a, P> {
         Ok(())
     }
 
+    /// The dimensions as an array of `RANK`, if the dtype is `T`'s, the rank is `RANK` and the
+    /// data is aligned for `T`; else one message with both ("argument 1: expected F32 buffer of
+    /// rank 2, got F32 buffer of rank 3").
+    fn check_ranked<T: NativeType, const RANK: usize>(&self) -> Result<[i64; RANK], String> {
+        let dims = <[i64; RANK]>::try_from(self.dims);
+        match dims {
+            Ok(dims) if self.dtype == T::DTYPE => {
+                self.check_view::<T>()?;
+                Ok(dims)
+            }
+            _ => Err(format!(
+                "{}: expected {} buffer of rank {RANK}, got {} buffer of rank {} (dims {:?})",
+                self.operand,
+                T::DTYPE,
+                self.dtype,
+                self.rank(),
+                self.dims
+            )),
+        }
+    }
+
     fn data_ptr<T>(&self) -> *mut T {
         if self.byte_size == 0 {
             NonNull::<T>::dangling().as_ptr()
@@ -355,6 +376,83 @@ pub struct ResultBuffer<'a, T: NativeType> {
     pub data: &'a mut [T],
     /// The dimensions.
     pub dims: &'a [i64],
+}
+
+/// An argument of the fixed dtype `T` and rank `RANK`, viewed in host memory (host bundles
+/// only), checked at decode like XLA's `ffi::Buffer<dtype, rank>`: a call with another dtype or
+/// rank fails before the handler runs, with a message naming the argument, the dtype and both
+/// ranks. `dims` is an array, so `let [rows, cols] = x.dims;` cannot fail.
+#[derive(Debug, Clone, Copy)]
+pub struct RankedBuffer<'a, T: NativeType, const RANK: usize> {
+    /// The elements, read-only.
+    pub data: &'a [T],
+    /// The dimensions.
+    pub dims: [i64; RANK],
+}
+
+/// A result of the fixed dtype `T` and rank `RANK`, viewed in host memory (host bundles only);
+/// checked at decode like [`RankedBuffer`].
+#[derive(Debug)]
+pub struct RankedResult<'a, T: NativeType, const RANK: usize> {
+    /// The elements, writable.
+    pub data: &'a mut [T],
+    /// The dimensions.
+    pub dims: [i64; RANK],
+}
+
+/// An argument of a device bundle ([`Cuda`]) of the fixed dtype `T` and rank `RANK`, checked at
+/// decode like [`RankedBuffer`]; its memory is the device's, so it gives an address typed `T`
+/// rather than a slice.
+pub struct DeviceBuffer<'a, P: Device, T: NativeType, const RANK: usize> {
+    buffer: AnyBuffer<'a, P>,
+    /// The dimensions.
+    pub dims: [i64; RANK],
+    _dtype: PhantomData<T>,
+}
+
+/// A result of a device bundle of the fixed dtype `T` and rank `RANK`, checked at decode like
+/// [`RankedBuffer`]; an address typed `T` for the device to write.
+pub struct DeviceResult<'a, P: Device, T: NativeType, const RANK: usize> {
+    result: AnyResult<'a, P>,
+    /// The dimensions.
+    pub dims: [i64; RANK],
+    _dtype: PhantomData<T>,
+}
+
+impl<P: Device, T: NativeType, const RANK: usize> DeviceBuffer<'_, P, T, RANK> {
+    /// The device address of the elements, for a kernel launch. Never dereferenced here.
+    pub fn device_ptr(&self) -> *const T {
+        self.buffer.device_ptr().cast_const().cast()
+    }
+
+    /// The number of elements.
+    pub fn element_count(&self) -> usize {
+        self.buffer.element_count()
+    }
+}
+
+impl<P: Device, T: NativeType, const RANK: usize> DeviceResult<'_, P, T, RANK> {
+    /// The device address of the elements, for a kernel launch. Never dereferenced here.
+    pub fn device_ptr(&self) -> *mut T {
+        self.result.device_ptr().cast()
+    }
+
+    /// The number of elements.
+    pub fn element_count(&self) -> usize {
+        self.result.element_count()
+    }
+}
+
+impl<P: Device, T: NativeType, const RANK: usize> fmt::Debug for DeviceBuffer<'_, P, T, RANK> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.buffer.fmt(f)
+    }
+}
+
+impl<P: Device, T: NativeType, const RANK: usize> fmt::Debug for DeviceResult<'_, P, T, RANK> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.result.fmt(f)
+    }
 }
 
 /// The validated argument list of a call frame.
@@ -565,6 +663,34 @@ impl<'a, T: NativeType> FromArg<'a, Host> for Buffer<'a, T> {
     }
 }
 
+impl<'a, T: NativeType, const RANK: usize> FromArg<'a, Host> for RankedBuffer<'a, T, RANK> {
+    fn expected() -> String {
+        format!("{} buffer of rank {RANK}", T::DTYPE)
+    }
+    fn from_arg(buffer: AnyBuffer<'a, Host>) -> Result<Self, String> {
+        let dims = buffer.check_ranked::<T, RANK>()?;
+        Ok(RankedBuffer {
+            data: buffer.as_slice::<T>()?,
+            dims,
+        })
+    }
+}
+
+impl<'a, P: Device, T: NativeType, const RANK: usize> FromArg<'a, P>
+    for DeviceBuffer<'a, P, T, RANK>
+{
+    fn expected() -> String {
+        format!("{} buffer of rank {RANK}", T::DTYPE)
+    }
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String> {
+        Ok(DeviceBuffer {
+            dims: buffer.check_ranked::<T, RANK>()?,
+            buffer,
+            _dtype: PhantomData,
+        })
+    }
+}
+
 /// Decoding of one result of a bundle for platform `P`.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be a result of a bundle whose platform is `{P}`",
@@ -590,6 +716,28 @@ impl<'a, T: NativeType> FromRet<'a, Host> for ResultBuffer<'a, T> {
         Ok(ResultBuffer {
             data: result.into_mut_slice::<T>()?,
             dims,
+        })
+    }
+}
+
+impl<'a, T: NativeType, const RANK: usize> FromRet<'a, Host> for RankedResult<'a, T, RANK> {
+    fn from_ret(result: AnyResult<'a, Host>) -> Result<Self, String> {
+        let dims = result.buffer.check_ranked::<T, RANK>()?;
+        Ok(RankedResult {
+            data: result.into_mut_slice::<T>()?,
+            dims,
+        })
+    }
+}
+
+impl<'a, P: Device, T: NativeType, const RANK: usize> FromRet<'a, P>
+    for DeviceResult<'a, P, T, RANK>
+{
+    fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String> {
+        Ok(DeviceResult {
+            dims: result.buffer.check_ranked::<T, RANK>()?,
+            result,
+            _dtype: PhantomData,
         })
     }
 }

@@ -54,7 +54,10 @@ pub mod trampoline;
 pub mod types;
 
 pub use attrs::{AttrValue, Attrs, DecodeAttrs, FromAttr, Scalar};
-pub use buffer::{AnyBuffer, AnyResult, ArgsView, Buffer, Operand, ResultBuffer, ResultList};
+pub use buffer::{
+    AnyBuffer, AnyResult, ArgsView, Buffer, DeviceBuffer, DeviceResult, Operand, RankedBuffer,
+    RankedResult, ResultBuffer, ResultList,
+};
 pub use bundle::{
     Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, Traits,
 };

@@ -933,3 +933,184 @@ fn an_f64_attribute_for_an_f32_field_instantiates_a_state() {
         .unwrap();
     assert_eq!(ctx.state::<ScaleState>().unwrap().table, vec![0.75, 0.375]);
 }
+
+crate::ffi_string_enum! {
+    /// How the ranked probe fills its result.
+    enum Fill {
+        /// A copy of the argument.
+        Copy = "copy",
+        /// Zeros.
+        Zero = "zero",
+    }
+}
+
+crate::ffi_attrs! {
+    struct RankedAttrs {
+        fill: Fill,
+    }
+}
+
+/// Host bundle with typed ranks: matrices in, matrix out, and a shape check of its own.
+struct RankedProbe;
+impl Bundle for RankedProbe {
+    const TARGET: &'static str = "ranked_probe";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for RankedProbe {
+    type Args<'a> = (RankedBuffer<'a, f32, 2>, RankedBuffer<'a, i32, 1>);
+    type Rets<'a> = (RankedResult<'a, f32, 2>,);
+    type Attrs<'a> = RankedAttrs;
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (x, _): (RankedBuffer<'_, f32, 2>, RankedBuffer<'_, i32, 1>),
+        (y,): (RankedResult<'_, f32, 2>,),
+        attrs: RankedAttrs,
+    ) -> FfiResult<()> {
+        let [_rows, cols] = x.dims;
+        if y.dims != x.dims {
+            return Err(Operand::Result(0).wrong_shape(format!(
+                "expected {:?} like argument 0, got {:?}",
+                x.dims, y.dims
+            )));
+        }
+        assert_eq!(x.data.len() as i64 % cols.max(1), 0);
+        match attrs.fill {
+            Fill::Copy => y.data.copy_from_slice(x.data),
+            Fill::Zero => y.data.fill(0.0),
+        }
+        Ok(())
+    }
+}
+const RANKED_PROBE: BundleDef = BundleDef::of::<RankedProbe>().execute().build();
+
+fn ranked_frame(x_dims: &[i64], y_dims: &[i64], fill: &str) -> FrameBuilder {
+    let n = x_dims.iter().product::<i64>() as usize;
+    let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(x_dims, &x))
+        .arg(OwnedBuffer::from_values(&[2], &[1i32, 2]))
+        .ret(OwnedBuffer::zeros(DataType::F32, y_dims))
+        .attr("fill", OwnedAttr::string(fill))
+}
+
+#[test]
+fn ranked_buffers_decode_with_array_dims_and_string_enums_by_name() {
+    let ctx = FakeContext::new();
+    let mut frame = ranked_frame(&[2, 3], &[2, 3], "copy").build(&ctx);
+    frame.call(execute(&RANKED_PROBE)).unwrap();
+    assert_eq!(
+        frame.result(0).values::<f32>(),
+        vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    );
+    assert_eq!(Fill::NAMES, ["copy", "zero"]);
+    assert_eq!(
+        (Fill::parse("zero"), Fill::Copy.name()),
+        (Some(Fill::Zero), "copy")
+    );
+}
+
+#[test]
+fn a_wrong_rank_dtype_or_enum_name_is_reported_with_the_other_decode_errors() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2, 1, 1], &[1.0f32, 2.0]))
+        .arg(OwnedBuffer::from_values(&[2], &[1.0f32, 2.0]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .attr("fill", OwnedAttr::string("fsat"))
+        .build(&ctx);
+    let (code, message) = call_err(&mut frame, &RANKED_PROBE, Stage::Execute);
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    for expected in [
+        "ranked_probe: [execute] failed to decode the call frame",
+        "argument 0: expected F32 buffer of rank 2, got F32 buffer of rank 3 (dims [2, 1, 1])",
+        "argument 1: expected S32 buffer of rank 1, got F32 buffer of rank 1",
+        "result 0: expected F32 buffer of rank 2, got F32 buffer of rank 1",
+        "wrong type for attribute `fill`: expected one of \"copy\", \"zero\" (string), got \
+         string \"fsat\"",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in {message}"
+        );
+    }
+}
+
+#[test]
+fn errors_a_stage_returns_carry_the_stage_like_decode_errors() {
+    let ctx = FakeContext::new();
+    let mut frame = ranked_frame(&[2, 3], &[3, 2], "zero").build(&ctx);
+    let (code, message) = call_err(&mut frame, &RANKED_PROBE, Stage::Execute);
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert_eq!(
+        message,
+        "ranked_probe: [execute] wrong shape for result 0: expected [2, 3] like argument 0, got \
+         [3, 2]"
+    );
+    // Instantiate's own errors too.
+    fake::register_type(ScaleState::registration()).unwrap();
+    let mut inst = scale_frame(Stage::Instantiate, &[], &[], 0).build(&ctx);
+    let (_, message) = call_err(&mut inst, &SCALE, Stage::Instantiate);
+    assert_eq!(
+        message,
+        "tests_scale: [instantiate] invalid attribute `row_len`"
+    );
+}
+
+/// Device bundle with typed ranks: addresses typed like the elements.
+struct DeviceProbe;
+impl Bundle for DeviceProbe {
+    const TARGET: &'static str = "device_probe";
+    type Platform = Cuda;
+    type State = NoState;
+}
+impl Execute for DeviceProbe {
+    type Args<'a> = (DeviceBuffer<'a, Cuda, bf16, 3>,);
+    type Rets<'a> = (DeviceResult<'a, Cuda, f32, 1>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (x,): (DeviceBuffer<'_, Cuda, bf16, 3>,),
+        (y,): (DeviceResult<'_, Cuda, f32, 1>,),
+        (): (),
+    ) -> FfiResult<()> {
+        let [a, b, c] = x.dims;
+        let seen = format!(
+            "{a}x{b}x{c} {} -> {:?} {} {}",
+            x.element_count(),
+            y.dims,
+            y.element_count(),
+            !x.device_ptr().is_null() && !y.device_ptr().is_null()
+        );
+        SEEN.lock().push(seen);
+        Ok(())
+    }
+}
+const DEVICE_PROBE: BundleDef = BundleDef::of::<DeviceProbe>().execute().build();
+
+#[test]
+fn device_buffers_are_checked_for_dtype_and_rank_at_decode() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::zeros(DataType::BF16, &[1, 2, 3]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[5]))
+        .build(&ctx);
+    frame.call(execute(&DEVICE_PROBE)).unwrap();
+    assert!(SEEN.lock().iter().any(|s| s == "1x2x3 6 -> [5] 5 true"));
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::zeros(DataType::F32, &[1, 2, 3]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[5, 1]))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &DEVICE_PROBE, Stage::Execute);
+    for expected in [
+        "argument 0: expected BF16 buffer of rank 3, got F32 buffer of rank 3",
+        "result 0: expected F32 buffer of rank 1, got F32 buffer of rank 2",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in {message}"
+        );
+    }
+}

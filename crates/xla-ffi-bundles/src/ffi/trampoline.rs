@@ -69,7 +69,7 @@ pub unsafe fn handle(
     );
     match (result, reporter) {
         (Ok(()), _) => ptr::null_mut(),
-        (Err(e), Some(api)) => api.create_error_raw(e.code(), &format!("{}: {e}", info.target)),
+        (Err(e), Some(api)) => api.create_error_raw(e.code(), &report(info, &e)),
         (Err(e), None) => {
             // No table to build an error with: all that can be done is to say so.
             let _ = writeln!(
@@ -80,6 +80,16 @@ pub unsafe fn handle(
             );
             ptr::null_mut()
         }
+    }
+}
+
+/// The message XLA gets for `error`: the target, then the stage in brackets, as decode errors
+/// and panics carry it already ("scale: [execute] x has shape [2, 3] ..."), so that an error a
+/// stage returns says which stage of which target raised it.
+fn report(info: &HandlerInfo, error: &FfiError) -> String {
+    match error {
+        FfiError::Decode { .. } | FfiError::Panic { .. } => format!("{}: {error}", info.target),
+        _ => format!("{}: [{}] {error}", info.target, info.stage),
     }
 }
 
