@@ -13,6 +13,7 @@ use xla_ffi_bundles::state::{snapshot, LiveState, WorkspacePool};
 
 static CREATED: AtomicU64 = AtomicU64::new(0);
 static EXECUTED: AtomicU64 = AtomicU64::new(0);
+static DETAILS: AtomicU64 = AtomicU64::new(0);
 static WORKSPACE_BYTES: AtomicU64 = AtomicU64::new(0);
 
 struct Counting;
@@ -26,6 +27,10 @@ impl RegistryHost for Counting {
     fn state_executed(handle: &Self::Handle) {
         EXECUTED.fetch_add(1, Ordering::Relaxed);
         HostRegistry::state_executed(handle)
+    }
+    fn state_detail(handle: &Self::Handle, key: &str, value: &str) {
+        DETAILS.fetch_add(1, Ordering::Relaxed);
+        HostRegistry::state_detail(handle, key, value)
     }
     fn workspace_changed(bytes: i64, allocations: u64) {
         WORKSPACE_BYTES.fetch_add(bytes.unsigned_abs(), Ordering::Relaxed);
@@ -73,6 +78,10 @@ fn an_adopted_copy_reports_states_and_workspaces_through_the_hooks() {
     let hosted = LiveState::register("hooks_hosted", "hooks.State");
     hosted.record_execution();
     hosted.record_execution();
+    // Details of a hosted state reach the host's entry (they were dropped before table
+    // version 2).
+    hosted.set_detail("plan", "rows=4");
+    assert_eq!(DETAILS.load(Ordering::Relaxed), 1);
     assert_eq!(CREATED.load(Ordering::Relaxed), 1);
     assert_eq!(EXECUTED.load(Ordering::Relaxed), 2);
     let state = snapshot()
@@ -81,6 +90,10 @@ fn an_adopted_copy_reports_states_and_workspaces_through_the_hooks() {
         .find(|s| s.id == hosted.id())
         .expect("the host's registry has it");
     assert_eq!((state.target, state.executions), ("hooks_hosted", 2));
+    assert_eq!(
+        state.details.get("plan").map(String::as_str),
+        Some("rows=4")
+    );
 
     let pool = WorkspacePool::<f32>::new(256, 4);
     drop(pool.checkout());

@@ -230,3 +230,38 @@ def test_stats_counts_every_library_with_one_id_sequence(fresh_caches):
     final = rmsnorm_ffi.stats()
     assert final["live_states"] == 0, final["states"]
     assert final["created_states"] == final["destroyed_states"]
+
+
+def test_a_library_state_takes_a_python_float_shows_its_details_and_tags_its_errors(fresh_caches):
+    """Issue 44's newcomer: a Python float for an `f32` attribute (exact ones are taken, others
+    refused naming the fix), `LiveState::set_detail` of a library's state in `stats()`, and an
+    error a library's stage returns tagged with the stage like decode errors."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import testing_bundles
+    from conftest import live_states_of
+
+    testing_bundles.register()
+    target = "rmsnorm_ffi_testing_reverse"
+    x = jnp.arange(8, dtype=jnp.float32).reshape(2, 4)
+
+    def reverse(x, scale, row_len=4):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return call(x, row_len=np.int64(row_len), scale=scale, variant="pooled")
+
+    half = jax.jit(lambda x: reverse(x, 0.5))  # a Python float: an F64 attribute
+    np.testing.assert_array_equal(half(x), 0.5 * np.asarray(x)[:, ::-1])
+    [state] = live_states_of(target)  # alive while `half`'s executable is
+    assert state["details"] == {"variant": "pooled", "scale": "0.5"}
+    del half
+
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.jit(lambda x: reverse(x, 0.1))(x)
+    assert "expected F32 scalar, got F64 scalar 0.1, which F32 cannot hold exactly: pass np.float32(0.1)" \
+        in str(info.value)
+
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        jax.block_until_ready(jax.jit(lambda x: reverse(x, np.float32(2), row_len=3))(x))
+    assert f"{target}: [execute] argument 0: expected a last axis of 3" in str(info.value)

@@ -29,7 +29,7 @@ pub const LIBRARY_SYMBOL: &str = "xla_ffi_bundles_library";
 pub const LIBRARY_MAGIC: [u8; 8] = *b"RMSNFFI\0";
 /// The version of the table's layout and meaning (everything after the header, and
 /// [`RegistryHooks`]). A reader accepts only its own; bump it with any change to those.
-pub const LIBRARY_ABI_VERSION: u32 = 1;
+pub const LIBRARY_ABI_VERSION: u32 = 2;
 
 /// The stable start of a library table, the same in every version of this crate.
 #[repr(C)]

@@ -67,6 +67,10 @@ pub struct RegistryHooks {
     /// Adds to the workspace totals: the change in bytes held (negative when a buffer is freed)
     /// and the allocations made.
     pub workspace_changed: unsafe extern "C" fn(bytes: i64, allocations: u64),
+    /// Sets one detail (`key` = `value`, both UTF-8) of the state behind `handle`, shown in its
+    /// `stats()` entry. Added in table version 2 (crate 0.2): before it a library's
+    /// `LiveState::set_detail` had nowhere to go.
+    pub state_detail: unsafe extern "C" fn(handle: *mut c_void, key: Str, value: Str),
 }
 
 /// What a registry must do to be a host; implemented by the live-state registry
@@ -78,6 +82,8 @@ pub trait RegistryHost: 'static {
     fn state_created(target: &str, type_name: &str) -> (Self::Handle, u64);
     /// Counts one execution of the state behind `handle`.
     fn state_executed(handle: &Self::Handle);
+    /// Sets one detail of the state behind `handle`.
+    fn state_detail(handle: &Self::Handle, key: &str, value: &str);
     /// Adds to the workspace totals: a change of the bytes held (negative when buffers are
     /// freed) and the allocations made.
     fn workspace_changed(bytes: i64, allocations: u64);
@@ -93,6 +99,7 @@ impl RegistryHooks {
             state_executed: state_executed_entry::<H>,
             state_destroyed: state_destroyed_entry::<H>,
             workspace_changed: workspace_changed_entry::<H>,
+            state_detail: state_detail_entry::<H>,
         }
     }
 }
@@ -134,6 +141,32 @@ unsafe extern "C" fn state_executed_entry<H: RegistryHost>(handle: *mut c_void) 
             || "the registry's state_executed hook".into(),
             || {
                 H::state_executed(handle);
+                Ok(())
+            },
+        );
+        panic::report_unreturnable(result);
+    }
+}
+
+unsafe extern "C" fn state_detail_entry<H: RegistryHost>(
+    handle: *mut c_void,
+    key: Str,
+    value: Str,
+) {
+    // SAFETY: as in `state_executed_entry`.
+    if let Some(handle) = unsafe { handle.cast::<H::Handle>().as_ref() } {
+        let result = panic::catch(
+            || "the registry's state_detail hook".into(),
+            || {
+                // SAFETY: the library passes strings readable for the call.
+                match unsafe { (key.to_str(), value.to_str()) } {
+                    (Some(key), Some(value)) => H::state_detail(handle, key, value),
+                    _ => {
+                        return Err(super::error::FfiError::invalid_argument(
+                            "a state detail that is not UTF-8",
+                        ))
+                    }
+                }
                 Ok(())
             },
         );
@@ -260,6 +293,12 @@ impl HostedState {
     pub fn record_execution(&self) {
         // SAFETY: the handle came from this host's `state_created` and is not destroyed yet.
         unsafe { (self.hooks.state_executed)(self.handle.as_ptr()) }
+    }
+
+    /// Sets one detail of the state in the host (one call; the host takes a lock).
+    pub fn set_detail(&self, key: &str, value: &str) {
+        // SAFETY: as above; the strings are valid for the call.
+        unsafe { (self.hooks.state_detail)(self.handle.as_ptr(), Str::of(key), Str::of(value)) }
     }
 }
 

@@ -176,14 +176,14 @@ impl LiveState {
     }
 
     /// Sets one detail shown in this state's `stats()` entry (takes a lock: not for the hot
-    /// path). A hosted state's details are not reported: the host's registry hooks (one table
-    /// version, `ffi::host::RegistryHooks`) have no call for them, so this does nothing there.
+    /// path). A hosted state's detail goes to the host's registry through its hooks, so a
+    /// library's states show their details in the host's `stats()` like the host's own.
     pub fn set_detail(&self, key: impl Into<String>, value: impl Into<String>) {
         match &self.entry {
             Entry::Local { record, .. } => {
                 record.details.lock().insert(key.into(), value.into());
             }
-            Entry::Hosted(_) => {}
+            Entry::Hosted(hosted) => hosted.set_detail(&key.into(), &value.into()),
         }
     }
 
@@ -229,6 +229,10 @@ impl RegistryHost for HostRegistry {
 
     fn state_executed(handle: &LiveState) {
         handle.record_execution();
+    }
+
+    fn state_detail(handle: &LiveState, key: &str, value: &str) {
+        handle.set_detail(key, value);
     }
 
     fn workspace_changed(bytes: i64, allocations: u64) {
