@@ -1,18 +1,20 @@
-//! `my_ops_scale`: `y[..., j] = x[..., j] * scale / (j + 1)`, a stateful bundle whose
-//! instantiate stage validates the attributes once and caches the table of factors, shared by
-//! every execution of its call site (on any thread), and freed with the executable.
+//! `my_ops_scale`: `y[i, j] = x[i, j] * scale / (j + 1)` for a float32 matrix `x`, a stateful
+//! bundle whose instantiate stage validates the attributes once and caches the table of factors,
+//! shared by every execution of its call site (on any thread), and freed with the executable.
+//! Its buffers are typed with their rank (`RankedBuffer<'a, f32, 2>`): a call with another
+//! dtype or rank fails before `execute` runs, naming the argument.
 //!
 //! From Python, once the library is registered (`rmsnorm_ffi.register_library(path)`):
 //!
 //! ```text
 //! call = jax.ffi.ffi_call("my_ops_scale", jax.ShapeDtypeStruct(x.shape, x.dtype))
-//! y = call(x, scale=np.float32(2.0), row_len=np.int64(x.shape[-1]))
+//! y = call(x, scale=2.0, row_len=np.int64(x.shape[-1]))   # a float F32 holds exactly, or np.float32
 //! ```
 #![deny(unsafe_code)]
 
 use xla_ffi_bundles::ffi::{
-    Buffer, Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, Instantiate,
-    ResultBuffer,
+    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, Instantiate, RankedBuffer,
+    RankedResult,
 };
 use xla_ffi_bundles::state::LiveState;
 
@@ -68,30 +70,32 @@ impl Instantiate for Scale {
         let table = (0..attrs.row_len)
             .map(|j| attrs.scale / (j as f32 + 1.0))
             .collect();
-        Ok(ScaleState {
-            live: LiveState::register(TARGET, STATE_TYPE),
-            table,
-        })
+        let live = LiveState::register(TARGET, STATE_TYPE);
+        // Shown in this state's entry of `rmsnorm_ffi.stats()["states"]`.
+        live.set_detail("row_len", attrs.row_len.to_string());
+        Ok(ScaleState { live, table })
     }
 }
 
 impl Execute for Scale {
-    type Args<'a> = (Buffer<'a, f32>,);
-    type Rets<'a> = (ResultBuffer<'a, f32>,);
+    type Args<'a> = (RankedBuffer<'a, f32, 2>,);
+    type Rets<'a> = (RankedResult<'a, f32, 2>,);
     type Attrs<'a> = ();
 
     fn execute(
         state: &ScaleState,
         _ctx: &Context<'_>,
-        (x,): (Buffer<'_, f32>,),
-        (y,): (ResultBuffer<'_, f32>,),
+        (x,): (RankedBuffer<'_, f32, 2>,),
+        (y,): (RankedResult<'_, f32, 2>,),
         (): (),
     ) -> FfiResult<()> {
         let n = state.table.len();
-        if x.dims.last() != Some(&(n as i64)) {
+        let [_rows, cols] = x.dims;
+        if cols != n as i64 || y.dims != x.dims {
+            // Reported as "my_ops_scale: [execute] x has shape ...".
             return Err(FfiError::invalid_argument(format!(
-                "my_ops_scale: x has shape {:?}, but the call site was instantiated for rows of {n}",
-                x.dims
+                "x has shape {:?} and y {:?}, but the call site was instantiated for rows of {n}",
+                x.dims, y.dims
             )));
         }
         state.live.record_execution();

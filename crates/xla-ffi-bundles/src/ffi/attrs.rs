@@ -3,7 +3,8 @@
 //! XLA passes each attribute as a tagged pointer: a scalar (`XLA_FFI_Scalar*`), a dense array
 //! (`XLA_FFI_Array*`), a string (`XLA_FFI_ByteSpan*`) or a dictionary (a nested
 //! `XLA_FFI_Attrs*`). [`Attrs`] validates the list; [`AttrValue`] is one decoded value;
-//! [`FromAttr`] turns a value into a Rust type with an exact dtype match; and [`crate::ffi_attrs!`]
+//! [`FromAttr`] turns a value into a Rust type (dtypes match, or a float converts exactly);
+//! [`crate::ffi_string_enum!`] declares an enum decoded from a string; and [`crate::ffi_attrs!`]
 //! declares a struct that decodes a whole attribute list by name, reporting every missing,
 //! mistyped and unexpected attribute at once.
 
@@ -692,7 +693,8 @@ impl<'a> DecodeAttrs<'a> for () {
 }
 
 /// Declares a struct decoded from an attribute list by field name. Every attribute must be
-/// known, every non-`Option` field present, every dtype exact; all failures are reported together.
+/// known, every non-`Option` field present, every dtype exact (a float may be the other width
+/// when the value converts exactly, see [`FromAttr`]); all failures are reported together.
 ///
 /// ```
 /// xla_ffi_bundles::ffi_attrs! {
