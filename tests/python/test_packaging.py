@@ -147,8 +147,19 @@ USER_SCRIPT = textwrap.dedent("""
     assert len(mine) == 1 and mine[0]["type"] == "my_ops.ScaleState", stats["states"]
     assert stats["executions"]["my_ops_scale"] == 2, stats["executions"]
     assert stats["executions"]["rmsnorm_fwd"] >= 2
+    assert mine[0]["details"] == {"row_len": "128"}, mine  # a library state's set_detail
     del scale; jax.clear_caches(); gc.collect()
     assert not [s for s in rmsnorm_ffi.stats()["states"] if s["target"] == "my_ops_scale"]
+
+    # The template's buffers are typed with their rank: a rank-3 x is refused at decode, naming
+    # the argument (a Python float for its f32 scale is taken: 2.0 is exact in F32).
+    cube = jax.ffi.ffi_call("my_ops_scale", jax.ShapeDtypeStruct((2, 4, 128), x.dtype))
+    try:
+        jax.block_until_ready(cube(x.reshape(2, 4, 128), scale=2.0, row_len=np.int64(128)))
+        raise AssertionError("a rank-3 argument was taken")
+    except jax.errors.JaxRuntimeError as e:
+        assert ("my_ops_scale: [execute] failed to decode the call frame: argument 0: expected F32 buffer "
+                "of rank 2, got F32 buffer of rank 3") in str(e), e
     print("OK")
 """)
 
