@@ -233,26 +233,6 @@ impl Scalar {
         Ok(value)
     }
 
-    /// The value as text ("0.1", "true"), empty for [`Scalar::Other`].
-    fn value_text(&self) -> String {
-        match self {
-            Scalar::Pred(v) => v.to_string(),
-            Scalar::S8(v) => v.to_string(),
-            Scalar::S16(v) => v.to_string(),
-            Scalar::S32(v) => v.to_string(),
-            Scalar::S64(v) => v.to_string(),
-            Scalar::U8(v) => v.to_string(),
-            Scalar::U16(v) => v.to_string(),
-            Scalar::U32(v) => v.to_string(),
-            Scalar::U64(v) => v.to_string(),
-            Scalar::F16(v) => v.to_string(),
-            Scalar::BF16(v) => v.to_string(),
-            Scalar::F32(v) => v.to_string(),
-            Scalar::F64(v) => v.to_string(),
-            Scalar::Other(_) => String::new(),
-        }
-    }
-
     /// The dtype of the scalar.
     pub fn dtype(&self) -> DataType {
         match self {
@@ -270,6 +250,28 @@ impl Scalar {
             Scalar::F32(_) => DataType::F32,
             Scalar::F64(_) => DataType::F64,
             Scalar::Other(d) => *d,
+        }
+    }
+}
+
+/// The value alone ("0.1", "true", "-3"); `<S4>` for a dtype this layer does not read.
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scalar::Pred(v) => write!(f, "{v}"),
+            Scalar::S8(v) => write!(f, "{v}"),
+            Scalar::S16(v) => write!(f, "{v}"),
+            Scalar::S32(v) => write!(f, "{v}"),
+            Scalar::S64(v) => write!(f, "{v}"),
+            Scalar::U8(v) => write!(f, "{v}"),
+            Scalar::U16(v) => write!(f, "{v}"),
+            Scalar::U32(v) => write!(f, "{v}"),
+            Scalar::U64(v) => write!(f, "{v}"),
+            Scalar::F16(v) => write!(f, "{v}"),
+            Scalar::BF16(v) => write!(f, "{v}"),
+            Scalar::F32(v) => write!(f, "{v}"),
+            Scalar::F64(v) => write!(f, "{v}"),
+            Scalar::Other(d) => write!(f, "<{d}>"),
         }
     }
 }
@@ -353,7 +355,7 @@ impl AttrValue<'_> {
     pub fn describe(&self) -> String {
         match self {
             AttrValue::Scalar(Scalar::Other(d)) => format!("{d} scalar"),
-            AttrValue::Scalar(s) => format!("{} scalar {}", s.dtype(), s.value_text()),
+            AttrValue::Scalar(s) => format!("{} scalar {s}", s.dtype()),
             AttrValue::String(bytes) => {
                 let text = String::from_utf8_lossy(bytes);
                 match text.char_indices().nth(64) {
