@@ -382,7 +382,7 @@ impl fmt::Debug for Attrs<'_> {
 
 /// Decoding of one attribute value into a Rust type. Dtypes must match, with one exception
 /// for floats: JAX passes a Python float as an F64 scalar, so `f32` also takes an F64 scalar
-/// whose value F32 holds exactly (`0.5`, `1e30` is not) and `f64` takes any F32 scalar (widening
+/// whose value F32 holds exactly (`0.5` is, `0.1` is not) and `f64` takes any F32 scalar (widening
 /// is exact). A value that would be rounded is refused with the fix in the message, never
 /// silently rounded.
 pub trait FromAttr<'a>: Sized {
