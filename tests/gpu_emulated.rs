@@ -1536,7 +1536,7 @@ fn stamped_pairs(cases: &[Case]) -> String {
 /// over rows, smaller blocks), each with its defines compiled by NVRTC and the emulator alike.
 const VARIANTS: [&str; 3] = [
     "fwd_vpt=8,persistent=1",
-    "fwd_block=64,fwd_bounds=128:8,persistent=3",
+    "fwd_block=64,fwd_bounds=128:8,fwd_weight_early=1,persistent=3",
     "fwd_block=1024,persistent=2",
 ];
 

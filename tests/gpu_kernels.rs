@@ -189,10 +189,13 @@ fn the_forward_variants_compile_and_assemble_without_spills() {
     // Tried and left out of the sweep: fwd_vpt=2 (ptxas gives the float32 and bfloat16 forward
     // 32 registers and 16/32 and 16/16 bytes of spills), fwd_vpt=8 under the default bounds of
     // 1024 threads (64 registers: the bfloat16 fused residual forward spills 4/12 bytes) or
-    // bounds of 512 without a block count (ptxas still picks 64 registers: 12/40 bytes).
+    // bounds of 512 without a block count (ptxas still picks 64 registers: 12/40 bytes);
+    // fwd_weight_early=1 under the default bounds (64 registers: 40/72 to 388/584 bytes of
+    // spills) or with fwd_vpt=8 (bf16 x with an f32 weight: 128 registers, 112/244 bytes).
     for (i, text) in [
         "",
         "fwd_vpt=8,fwd_bounds=512:1",
+        "fwd_weight_early=1,fwd_bounds=512:1",
         "fwd_block=128,fwd_bounds=128:8",
         "fwd_bounds=256:4",
     ]

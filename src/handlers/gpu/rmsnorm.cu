@@ -74,6 +74,24 @@ typedef long long i64;
 #define EMU_STEP()
 #endif
 
+// Kernel variants (src/handlers/gpu/variant.rs, RMSNORM_FFI_GPU_PLAN) define FWD_VPT,
+// FWD_MAX_THREADS, FWD_MIN_BLOCKS and FWD_WEIGHT_EARLY before this file; without them, the
+// defaults below.
+#if !defined(FWD_VPT)
+#define FWD_VPT 4
+#endif
+#if !defined(FWD_WEIGHT_EARLY)
+#define FWD_WEIGHT_EARLY 0
+#endif
+#if !defined(FWD_MAX_THREADS)
+#define FWD_MAX_THREADS 1024
+#endif
+#if defined(FWD_MIN_BLOCKS)
+#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS, FWD_MIN_BLOCKS)
+#else
+#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS)
+#endif
+
 struct bf16_t { u16 bits; };
 struct f16_t { u16 bits; };
 
@@ -366,18 +384,22 @@ __device__ __forceinline__ A weight_of(const Pack<W, VEC>& w, int e, A offset) {
   return A(elem(w, e)) + offset;
 }
 
-// x * r * (offset + w) (w may be null: then x * r) for one pack.
-template <typename T, typename W, int VEC>
+// x * r * (offset + w) (w may be null: then x * r) for one pack; its weight pack read here, or
+// given (`loaded`: FWD_WEIGHT_EARLY's, read before the reduction). OFFSET false: the call has
+// no scale offset (the launch passes -0.0), whose addition is the identity bit for bit
+// (weight_of), so it is left out: one add per element fewer (rmsnorm_fwd_impl's callers pick).
+template <typename T, typename W, int VEC, bool OFFSET>
 __device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr, int v,
                                               typename Elem<T>::Acc r,
-                                              typename Elem<T>::Acc offset) {
+                                              typename Elem<T>::Acc offset,
+                                              const Pack<W, VEC>* loaded = nullptr) {
   typedef typename Elem<T>::Acc A;
   A vals[VEC];
   if (wr) {
-    const Pack<W, VEC> wp = load_pack<W, VEC>(wr, v);
+    const Pack<W, VEC> wp = loaded ? *loaded : load_pack<W, VEC>(wr, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      vals[e] = elem(p, e) * r * weight_of<A>(wp, e, offset);
+      vals[e] = elem(p, e) * r * (OFFSET ? weight_of<A>(wp, e, offset) : A(elem(wp, e)));
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) vals[e] = elem(p, e) * r;
@@ -420,7 +442,7 @@ __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* 
 // Forward: y = x * rstd * (offset + w), rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the
 // same of h = x + residual, and h written.
 // ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL, bool OFFSET>
 __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
                                                  const T* __restrict__ residual,
                                                  const W* __restrict__ w, T* __restrict__ y,
@@ -444,17 +466,26 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
     const T* rr = RESIDUAL ? residual + row * n : nullptr;
     T* hr = RESIDUAL ? h + row * n : nullptr;
     T* yr = y + row * n;
-    const W* wr = w ? w + (row / rows_per_group) * n : nullptr;
+    // One weight row for every row (no batched weight): no 64-bit division per row (a call to
+    // a divide routine of about 80 instructions in the SASS); a uniform branch.
+    const i64 group = rows_per_group >= rows ? 0 : row / rows_per_group;
+    const W* wr = w ? w + group * n : nullptr;
     S ss = S::zero();
     A part = A(0);
     Pack<T, VEC> cache[VPT];
+    // FWD_WEIGHT_EARLY (a kernel variant): the cached path reads the row's weight packs with
+    // its input, their loads in flight during the reduction rather than issued after it.
+    Pack<W, VEC> wcache[FWD_WEIGHT_EARLY ? VPT : 1];
     if (cached) {
       // One partial per FOLD_ELEMS elements: the default VPT * VEC <= FOLD_ELEMS is one per
       // row; a variant caching more (FWD_VPT 8 of 8-element vectors) folds in between.
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
-        if (valid && v < nv) cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+        if (valid && v < nv) {
+          cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+          if (FWD_WEIGHT_EARLY && wr) wcache[k] = load_pack<W, VEC>(wr, v);
+        }
         if constexpr (VPT * VEC > FOLD_ELEMS) {
           if ((k + 1) % fold_packs == 0 && k + 1 < VPT) {
             ss.add(part);
@@ -486,7 +517,10 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
-        if (v < nv) store_pack<T, VEC>(yr, v, scale<T, W, VEC>(cache[k], wr, v, r, off));
+        if (v < nv) {
+          const Pack<W, VEC>* loaded = FWD_WEIGHT_EARLY ? &wcache[k] : nullptr;
+          store_pack<T, VEC>(yr, v, scale<T, W, VEC, OFFSET>(cache[k], wr, v, r, off, loaded));
+        }
       }
     } else {
       // Long rows: the input again (h recomputed from x and the residual rather than read
@@ -495,7 +529,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       for (int v = lane; v < nv; v += team) {
         EMU_STEP();
         const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
-        store_pack<T, VEC>(yr, v, scale<T, W, VEC>(p, wr, v, r, off));
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC, OFFSET>(p, wr, v, r, off));
       }
     }
   }
@@ -1014,34 +1048,30 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 // thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
 // (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
 // ------------------------------------------------------------------------------------------
-// Kernel variants (src/handlers/gpu/variant.rs, RMSNORM_FFI_GPU_PLAN) define FWD_VPT,
-// FWD_MAX_THREADS and FWD_MIN_BLOCKS before this file; without them, the defaults below.
-#if !defined(FWD_VPT)
-#define FWD_VPT 4
-#endif
-#if !defined(FWD_MAX_THREADS)
-#define FWD_MAX_THREADS 1024
-#endif
-#if defined(FWD_MIN_BLOCKS)
-#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS, FWD_MIN_BLOCKS)
-#else
-#define FWD_BOUNDS __launch_bounds__(FWD_MAX_THREADS)
-#endif
-
+// The forward entries run one of two copies of the kernel: with the scale offset's add, or
+// without it for calls that have none (-0.0; see scale).
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, float offset, i64 rows_per_group) {                                        \
-    rmsnorm_fwd_impl<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team,  \
-                                            eps, offset, rows_per_group);                   \
+    if (__float_as_uint(offset) != 0x80000000u)                                             \
+      rmsnorm_fwd_impl<T, W, VEC, VPT, false, true>(x, nullptr, w, y, nullptr, rstd, rows, n,  \
+                                                    team, eps, offset, rows_per_group);      \
+    else                                                                                    \
+      rmsnorm_fwd_impl<T, W, VEC, VPT, false, false>(x, nullptr, w, y, nullptr, rstd, rows, n, \
+                                                     team, eps, offset, rows_per_group);     \
   }
 
 #define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
       int n, int team, float eps, float offset, i64 rows_per_group) {                       \
-    rmsnorm_fwd_impl<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps,   \
-                                           offset, rows_per_group);                         \
+    if (__float_as_uint(offset) != 0x80000000u)                                             \
+      rmsnorm_fwd_impl<T, W, VEC, VPT, true, true>(x, residual, w, y, h, rstd, rows, n, team,  \
+                                                   eps, offset, rows_per_group);             \
+    else                                                                                    \
+      rmsnorm_fwd_impl<T, W, VEC, VPT, true, false>(x, residual, w, y, h, rstd, rows, n, team, \
+                                                    eps, offset, rows_per_group);            \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT, CLUSTER)                                              \

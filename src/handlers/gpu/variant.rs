@@ -15,7 +15,10 @@
 //!   multiprocessor (T * M <= 2048, the threads a multiprocessor holds). Rows that would need a
 //!   team of more than T threads take the streaming path;
 //! - `persistent=N` (0..=32): the forward's grid is at most N blocks per multiprocessor, each
-//!   looping over rows (0: one team per row, the default).
+//!   looping over rows (0: one team per row, the default);
+//! - `fwd_weight_early=0|1`: the cached forward loads a row's weight packs with its input,
+//!   before the reduction (Quack's order: their loads in flight while the row's sum is formed),
+//!   rather than after it (default 0; more registers: VPT weight packs per thread).
 //!
 //! Values equal to the default are dropped when parsed, so `fwd_vpt=4` is the default plan and
 //! shares its compiled module. Knobs that change the machine code travel to NVRTC as `#define`
@@ -43,9 +46,10 @@ pub struct Variant {
     /// (T, M): max threads per block, min blocks per multiprocessor (None: unstated).
     fwd_bounds: Option<(u32, Option<u32>)>,
     persistent: Option<u32>,
+    fwd_weight_early: Option<bool>,
 }
 
-const KEYS: &str = "fwd_vpt, fwd_block, fwd_bounds, persistent";
+const KEYS: &str = "fwd_vpt, fwd_block, fwd_bounds, persistent, fwd_weight_early";
 
 fn power_of_two_in(key: &str, v: u32, lo: u32, hi: u32) -> Result<u32, String> {
     if v.is_power_of_two() && (lo..=hi).contains(&v) {
@@ -111,6 +115,13 @@ impl Variant {
                     }
                     v.persistent = Some(n);
                 }
+                "fwd_weight_early" => {
+                    v.fwd_weight_early = Some(match value.trim() {
+                        "0" => false,
+                        "1" => true,
+                        _ => return Err(format!("fwd_weight_early={value}: expected 0 or 1")),
+                    });
+                }
                 other => return Err(format!("unknown key `{other}` (keys: {KEYS})")),
             }
         }
@@ -145,6 +156,9 @@ impl Variant {
         }
         if self.persistent == Some(0) {
             self.persistent = None;
+        }
+        if self.fwd_weight_early == Some(false) {
+            self.fwd_weight_early = None;
         }
         self
     }
@@ -193,6 +207,9 @@ impl Variant {
                 out += &format!("#define FWD_MIN_BLOCKS {m}\n");
             }
         }
+        if self.fwd_weight_early == Some(true) {
+            out += "#define FWD_WEIGHT_EARLY 1\n";
+        }
         out
     }
 }
@@ -215,6 +232,9 @@ impl fmt::Display for Variant {
         if let Some(p) = self.persistent {
             parts.push(format!("persistent={p}"));
         }
+        if self.fwd_weight_early == Some(true) {
+            parts.push("fwd_weight_early=1".to_string());
+        }
         if parts.is_empty() {
             f.write_str("default")
         } else {
@@ -232,19 +252,26 @@ mod tests {
         assert!(Variant::parse("").unwrap().is_default());
         assert!(Variant::parse(" , ").unwrap().is_default());
         // Values equal to the default are the default plan (and its module).
-        let d = Variant::parse("fwd_vpt=4, fwd_block=256,fwd_bounds=1024,persistent=0").unwrap();
+        let d = Variant::parse(
+            "fwd_vpt=4, fwd_block=256,fwd_bounds=1024,persistent=0,fwd_weight_early=0",
+        )
+        .unwrap();
         assert!(d.is_default(), "{d}");
         assert_eq!(d.defines(), "");
         assert_eq!(d.to_string(), "default");
-        let v = Variant::parse("persistent=2, fwd_vpt=8 ,fwd_bounds=256:4,fwd_block=128").unwrap();
+        let v = Variant::parse(
+            "persistent=2, fwd_vpt=8 ,fwd_weight_early=1,fwd_bounds=256:4,fwd_block=128",
+        )
+        .unwrap();
         assert_eq!(
             v.to_string(),
-            "fwd_vpt=8,fwd_block=128,fwd_bounds=256:4,persistent=2"
+            "fwd_vpt=8,fwd_block=128,fwd_bounds=256:4,persistent=2,fwd_weight_early=1"
         );
         assert_eq!(Variant::parse(&v.to_string()).unwrap(), v);
         assert_eq!(
             v.defines(),
-            "#define FWD_VPT 8\n#define FWD_MAX_THREADS 256\n#define FWD_MIN_BLOCKS 4\n"
+            "#define FWD_VPT 8\n#define FWD_MAX_THREADS 256\n#define FWD_MIN_BLOCKS 4\n\
+             #define FWD_WEIGHT_EARLY 1\n"
         );
         assert_eq!(
             (
@@ -287,5 +314,6 @@ mod tests {
         assert!(err("bwd_vpt=8").contains("unknown key `bwd_vpt`"));
         assert!(err("fwd_vpt").contains("expected key=value"));
         assert!(err("fwd_vpt=8,fwd_vpt=2").contains("given twice"));
+        assert!(err("fwd_weight_early=yes").contains("expected 0 or 1"));
     }
 }
