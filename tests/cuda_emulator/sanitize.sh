@@ -2,7 +2,8 @@
 # `make gpu-sanitize`: the emulated kernels under the sanitizers, in the standalone harness
 # (cpp/harness.cpp), built with the same shim, scheduler and kernel source as the tests.
 # - AddressSanitizer + UndefinedBehaviorSanitizer (aborting on the first report): the full sweep,
-#   with the backward split across clusters of 2 and 4 blocks (its `_c` kernels).
+#   with the backward split across clusters of 2 and 4 blocks (its `_c` kernels); then the quick
+#   subset with a kernel variant's defines (src/handlers/gpu/variant.rs).
 # - ThreadSanitizer: the quick subset (TSan's cost grows with the fibers alive: a block of 512
 #   CUDA threads is 512 TSan fibers), then a self-check: with team_sum's first barrier removed,
 #   TSan must report a data race, so a clean run means something.
@@ -43,6 +44,14 @@ t0=$(date +%s)
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer: the full sweep"
 build harness-asan "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/harness-asan"
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: a kernel variant (RMSNORM_FFI_GPU_PLAN's"
+echo "   fwd_vpt=8,fwd_weight_early=1 defines: folds between cached vectors, weight packs read"
+echo "   before the reduction), the quick subset"
+build harness-asan-variant "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -DFWD_VPT=8 -DFWD_WEIGHT_EARLY=1 -DEMU_PAIRS="$tsan_pairs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  "$out/harness-asan-variant" quick
 
 echo "== ThreadSanitizer: the quick subset"
 build harness-tsan "$src" -O1 -fsanitize=thread -DEMU_PAIRS="$tsan_pairs"

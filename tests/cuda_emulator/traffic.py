@@ -449,12 +449,14 @@ def planted(out: Path, max_blocks: int, usage: dict) -> list[str]:
         # Each thread takes VPT consecutive vectors instead of every team-th: a warp's 16-byte
         # accesses land 64 bytes apart.
         "uncoalesced": ("        const int v = lane + k * team;\n"
-                        "        if (valid && v < nv) cache[k] = load_input",
+                        "        if (valid && v < nv) {\n"
+                        "          cache[k] = load_input",
                         "        const int v = lane * VPT + k;\n"
-                        "        if (valid && v < nv) cache[k] = load_input"),
+                        "        if (valid && v < nv) {\n"
+                        "          cache[k] = load_input"),
         # The vector kernels stamped with scalar accesses.
-        "scalar": ("  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), 4)",
-                   "  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, 1, 4)"),
+        "scalar": ("  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)",
+                   "  FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, 1, FWD_VPT)"),
     }
     results = []
     for bug, (find, replace) in bugs.items():
