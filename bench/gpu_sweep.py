@@ -107,6 +107,9 @@ VARIANTS = {
     "bounds256": ("fwd_bounds=256:4", FWD),
     "persistent4": ("persistent=4", FWD),
     "bounds256_persistent4": ("fwd_bounds=256:4,persistent=4", FWD),  # one resident wave
+    # the weight packs read with the input, in flight during the reduction (Quack's order)
+    # (under the default 1024-thread bounds it spills: tests/gpu_kernels.rs)
+    "weight_early": ("fwd_weight_early=1,fwd_bounds=512:1", FWD),
 }
 
 
