@@ -209,15 +209,27 @@ impl Initialize for GpuResidualForward {
 
 type Slot = std::sync::Arc<once_cell::sync::OnceCell<resources::DeviceSlot>>;
 
-fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> FfiResult<Slot> {
+/// A state's resources on the CUDA device of the call's stream (`DeviceSlots::get_or_acquire`).
+fn slot_for(
+    devices: &DeviceSlots,
+    live: &LiveState,
+    variant: &Variant,
+    ctx: &Context<'_>,
+    stage: Stage,
+    scratch_bytes: impl FnOnce(usize, usize) -> usize,
+) -> FfiResult<Slot> {
     let stream = ctx.stream()?;
     let device = driver::cuda()?.stream_device(stream)?;
-    state.devices.get_or_acquire(
+    devices.get_or_acquire(live, stream, &device, stage, variant, scratch_bytes)
+}
+
+fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> FfiResult<Slot> {
+    slot_for(
+        &state.devices,
         &state.live,
-        stream,
-        &device,
-        stage,
         &state.variant,
+        ctx,
+        stage,
         |_, _| 0,
     )
 }
@@ -293,15 +305,13 @@ fn backward_slot(
     x: DataType,
     layout: Layout,
 ) -> FfiResult<Slot> {
-    let stream = ctx.stream()?;
-    let device = driver::cuda()?.stream_device(stream)?;
     let has_weight = state.has_weight;
-    state.devices.get_or_acquire(
+    slot_for(
+        &state.devices,
         &state.live,
-        stream,
-        &device,
-        stage,
         &state.variant,
+        ctx,
+        stage,
         |sm_count, max_cluster| {
             plan::backward_scratch_bytes(
                 x,
