@@ -1004,6 +1004,9 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
     let start = std::time::Instant::now();
     let launches = fake.counters().launches;
     let clusters = fake.counters().cluster_launches;
+    // Modules loaded before (by other tests of this process: the default plan's on each device,
+    // and the kernel-variant test's, one per set of defines).
+    let (loads, loaded) = (fake.counters().module_loads, resources::modules_loaded());
     let failures = run_all(fake, &cases);
     println!(
         "{} cases, {} launches, {:.1} s",
@@ -1017,12 +1020,13 @@ fn the_matrix_through_the_gpu_bundles_matches_float64_and_the_cpu_bundles() {
         failures.len(),
         failures.join("\n")
     );
-    // One module per device for every state of every call site.
+    // One module per device for every state of every call site: the matrix's hundreds of
+    // states loaded at most one each on its 2 devices (none if an earlier test had).
     let c = fake.counters();
-    assert_eq!(c.module_loads, 2, "{c:?}");
+    assert!(c.module_loads - loads <= 2, "{loads} loads before: {c:?}");
     // The cases of rows split across clusters ran as cluster launches.
     assert!(c.cluster_launches - clusters >= 6, "{c:?}");
-    assert_eq!(resources::modules_loaded(), 2);
+    assert!(resources::modules_loaded() - loaded <= 2);
 }
 
 // ---------------------------------------------------------------------------------------------

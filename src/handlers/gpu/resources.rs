@@ -32,7 +32,8 @@ type ModuleKey = (i32, String);
 static MODULES: Lazy<DashMap<ModuleKey, Cell<Arc<Module>>>> = Lazy::new(DashMap::new);
 static MODULES_LOADED: AtomicUsize = AtomicUsize::new(0);
 
-/// Modules loaded in this process (one per CUDA device used).
+/// Modules loaded in this process (one per CUDA device used and set of variant defines: one per
+/// device without `RMSNORM_FFI_GPU_PLAN`).
 pub fn modules_loaded() -> usize {
     MODULES_LOADED.load(Ordering::Relaxed)
 }

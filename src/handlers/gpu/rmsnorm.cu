@@ -535,6 +535,21 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
   }
 }
 
+// The forward's entry: one of two copies of rmsnorm_fwd_impl, with the scale offset's add, or
+// without it for calls that have none (the launch passes -0.0; see scale).
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
+__device__ __forceinline__ void rmsnorm_fwd(const T* x, const T* residual, const W* w, T* y, T* h,
+                                            typename Elem<T>::Acc* rstd, i64 rows, int n,
+                                            int team, float eps, float offset,
+                                            i64 rows_per_group) {
+  if (__float_as_uint(offset) != 0x80000000u)
+    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, true>(x, residual, w, y, h, rstd, rows, n, team,
+                                                     eps, offset, rows_per_group);
+  else
+    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, false>(x, residual, w, y, h, rstd, rows, n, team,
+                                                      eps, offset, rows_per_group);
+}
+
 // `p`, with its value hidden from the optimizer: address arithmetic on it then stays where it
 // is written instead of being hoisted out of the enclosing loop. An empty inline-PTX move on the
 // device; nothing in the host emulator.
@@ -1048,30 +1063,20 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 // thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
 // (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
 // ------------------------------------------------------------------------------------------
-// The forward entries run one of two copies of the kernel: with the scale offset's add, or
-// without it for calls that have none (-0.0; see scale).
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, float offset, i64 rows_per_group) {                                        \
-    if (__float_as_uint(offset) != 0x80000000u)                                             \
-      rmsnorm_fwd_impl<T, W, VEC, VPT, false, true>(x, nullptr, w, y, nullptr, rstd, rows, n,  \
-                                                    team, eps, offset, rows_per_group);      \
-    else                                                                                    \
-      rmsnorm_fwd_impl<T, W, VEC, VPT, false, false>(x, nullptr, w, y, nullptr, rstd, rows, n, \
-                                                     team, eps, offset, rows_per_group);     \
+    rmsnorm_fwd<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team, eps,   \
+                                       offset, rows_per_group);                             \
   }
 
 #define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
       int n, int team, float eps, float offset, i64 rows_per_group) {                       \
-    if (__float_as_uint(offset) != 0x80000000u)                                             \
-      rmsnorm_fwd_impl<T, W, VEC, VPT, true, true>(x, residual, w, y, h, rstd, rows, n, team,  \
-                                                   eps, offset, rows_per_group);             \
-    else                                                                                    \
-      rmsnorm_fwd_impl<T, W, VEC, VPT, true, false>(x, residual, w, y, h, rstd, rows, n, team, \
-                                                    eps, offset, rows_per_group);            \
+    rmsnorm_fwd<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps, offset, \
+                                      rows_per_group);                                      \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT, CLUSTER)                                              \
