@@ -147,6 +147,22 @@ def test_growth_is_the_trend_through_one_worker_phase():
     assert stress._growth_mb([{**s, "heap_in_use": None} for s in samples], "heap_in_use") is None
 
 
+def test_an_rss_trend_through_two_samples_is_reported_not_judged():
+    # The samples of the README's 5 s run on CI that read 26.6 MB (workers at cycles 25 and 50,
+    # stopped at 55): the trend is the difference of two samples, too few to judge.
+    mb = 2**20
+    short = [{"cycle": c, "rss": r * mb, "workers_running": w} for c, r, w in ((25, 230.9, 8), (50, 245.4, 8), (55, 243.4, 0))]
+    assert stress._growth_mb(short) == 17.4
+    assert stress._trend_points(short) == 2 < stress.RSS_TREND_MIN_SAMPLES
+    # A control of the same length has no workers: its three samples are one group.
+    control = [{**s, "workers_running": 0} for s in short]
+    assert stress._trend_points(control) == 3
+    # The default 10 s run (~110 cycles) samples at 25, 50, 75 and 100 with the workers.
+    longer = [{"cycle": c, "rss": 0, "workers_running": 8} for c in (25, 50, 75, 100)] + [
+        {"cycle": 110, "rss": 0, "workers_running": 0}]
+    assert stress._trend_points(longer) == 4
+
+
 def test_help_explains_the_options():
     result = subprocess.run([sys.executable, "-m", "rmsnorm_ffi.stress", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
