@@ -60,3 +60,36 @@ def scaled_copy_reference(x, scale: float = 1.0):
     x = jnp.asarray(x)
     table = scale / jnp.arange(1, x.shape[-1] + 1, dtype=jnp.float32)
     return (x.astype(jnp.float32) * table).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# ema_update: an in-place update (the result is the average's own buffer)
+
+EMA_TARGET = "ema_update"
+
+# Rows are independent (elementwise: no core axes); result 0 is operand 0 updated in place.
+_ema_op = rmsnorm_ffi.batched_ffi_op(
+    EMA_TARGET, lambda average, x, **attrs: jax.ShapeDtypeStruct(average.shape, average.dtype),
+    core_ndims=(0, 0), input_output_aliases={0: 0},
+)
+
+
+def ema_update(average, x, decay: float):
+    """``decay * average + (1 - decay) * x`` (float32), computed by the Rust bundle over
+    ``average``'s own buffer. Under ``jax.jit(..., donate_argnums=0)`` XLA updates the donated
+    average without a copy; without donation it copies it first, and the result is the same."""
+    average, x = jnp.asarray(average), jnp.asarray(x)
+    for name, v in (("average", average), ("x", x)):
+        if v.dtype != jnp.float32:
+            raise TypeError(f"ema_update: {name} must be float32, got {v.dtype}")
+    if average.shape != x.shape:
+        raise ValueError(f"ema_update: x has shape {x.shape} but average has {average.shape}")
+    if not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"ema_update: decay must be a number in [0, 1], got {decay!r}")
+    load()
+    return _ema_op(average, x, decay=np.float32(decay))
+
+
+def ema_update_reference(average, x, decay: float):
+    """The same update in jnp, for tests."""
+    return decay * jnp.asarray(average) + (1.0 - decay) * jnp.asarray(x)

@@ -16,6 +16,11 @@ with the machinery the RMS norm uses (`_partitioning`, `_primitives`):
   operand or result (a sharded core axis or unbatched operand is gathered, as it must be).
 
 It knows nothing of derivatives: wrap the op in `jax.custom_vjp` for those.
+
+In-place updates: ``input_output_aliases={operand: result}`` makes a result the operand's
+buffer (XLA's aliasing, as in `jax.ffi.ffi_call`): under `jit` with the operand donated, XLA
+updates it without a copy; kept, XLA copies it first. The Rust side declares the same pair
+(`InPlace<operand>` result, `AliasedArg` argument), and a mismatch is a clear error.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ batched_p.multiple_results = True
 class _Op:
     """What a primitive binding needs to know of one op (hashable: bound as a parameter)."""
 
-    def __init__(self, target: str, results: Callable, core_ndims: tuple):
+    def __init__(self, target: str, results: Callable, core_ndims: tuple, aliases: tuple = ()):
         self.target, self.results, self.core_ndims = target, results, core_ndims
+        # ((operand, result), ...): results that are their operand's buffer.
+        self.aliases = aliases
 
     def batched(self) -> list[int]:
         return [i for i, c in enumerate(self.core_ndims) if c is not None]
@@ -63,7 +70,10 @@ class _Op:
         return f"batched_ffi_op({self.target!r})"
 
 
-def batched_ffi_op(target: str, results: Callable, *, core_ndims: Sequence[int | None]) -> Callable:
+def batched_ffi_op(
+    target: str, results: Callable, *, core_ndims: Sequence[int | None],
+    input_output_aliases: dict[int, int] | None = None,
+) -> Callable:
     """A JAX op calling the registered FFI target ``target``.
 
     - ``results(*operands, **attrs)``: the call's results for operands of the given shapes
@@ -72,6 +82,11 @@ def batched_ffi_op(target: str, results: Callable, *, core_ndims: Sequence[int |
     - ``core_ndims``: for each operand, how many trailing axes make one item of the op (0:
       elementwise, 1: a row, 2: a matrix), or ``None`` for an unbatched operand (a weight),
       passed whole to every call. Every batched operand starts with the same batch axes.
+
+    - ``input_output_aliases``: ``{operand index: result index}``, results updated in place
+      over a batched operand of the same shape and dtype (the bundle takes them as
+      ``InPlace<operand>``/``AliasedArg``). Donate the operand under ``jit``
+      (``donate_argnums``) for an update without a copy.
 
     The op is ``op(*operands, **attrs)``; ``attrs`` become the call's attributes (use NumPy
     scalars for their types, e.g. ``np.float32(2.0)``, as with ``jax.ffi.ffi_call``). It works
@@ -88,7 +103,8 @@ def batched_ffi_op(target: str, results: Callable, *, core_ndims: Sequence[int |
             raise ValueError(f"core_ndims[{i}]: expected an int >= 0 or None (unbatched), got {c!r}")
     if all(c is None for c in core):
         raise ValueError("core_ndims: at least one operand must be batched (an int), got only None")
-    op = _Op(target, results, core)
+    aliases = _check_aliases(input_output_aliases, core)
+    op = _Op(target, results, core, aliases)
 
     def call(*operands, **attrs):
         if len(operands) != len(core):
@@ -113,11 +129,46 @@ def batched_ffi_op(target: str, results: Callable, *, core_ndims: Sequence[int |
                 raise ValueError(
                     f"{target}: result {k} has shape {r.shape}, which does not start with the batch shape {batch}"
                 )
+        for i, k in aliases:
+            if k >= len(structs):
+                raise ValueError(f"{target}: input_output_aliases maps operand {i} to result {k}, but there are "
+                                 f"{len(structs)} results")
+            if (tuple(structs[k].shape), structs[k].dtype) != (operands[i].shape, operands[i].dtype):
+                raise ValueError(
+                    f"{target}: result {k} is operand {i} updated in place (input_output_aliases), so it must have "
+                    f"its shape and dtype {operands[i].shape} {operands[i].dtype}, got {tuple(structs[k].shape)} "
+                    f"{structs[k].dtype}"
+                )
         return _bind(op, frozen, operands)
 
     call.__name__ = call.__qualname__ = target
     call.__doc__ = f"The FFI target {target!r} as a batched JAX op (rmsnorm_ffi.batched_ffi_op)."
     return call
+
+
+def _check_aliases(aliases, core: tuple) -> tuple:
+    """``input_output_aliases`` as sorted ``(operand, result)`` pairs, checked."""
+    if aliases is None:
+        return ()
+    if not isinstance(aliases, dict):
+        raise TypeError(f"input_output_aliases: expected a dict {{operand index: result index}}, got {aliases!r}")
+    pairs = []
+    for i, k in aliases.items():
+        for what, v in (("operand", i), ("result", k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TypeError(f"input_output_aliases: expected int indices >= 0, got {what} {v!r}")
+        if i >= len(core):
+            raise ValueError(f"input_output_aliases: operand {i} does not exist (core_ndims has {len(core)} operands)")
+        if core[i] is None:
+            raise ValueError(
+                f"input_output_aliases: operand {i} is unbatched (core_ndims None); only a batched operand can be "
+                "updated in place, as its result keeps the batch axes"
+            )
+        pairs.append((i, k))
+    results = [k for _, k in pairs]
+    if len(set(results)) != len(results):
+        raise ValueError(f"input_output_aliases: a result aliases two operands: {aliases!r}")
+    return tuple(sorted(pairs))
 
 
 def _bind(op: _Op, attrs: tuple, operands):
@@ -156,8 +207,8 @@ def _ffi(op: _Op, attrs: tuple, operands, typed: bool):
     if typed:
         first = operands[op.batched()[0]]
         structs = [_partitioning._struct(first, s.shape, s.dtype, True) for s in structs]
-    out = jax.ffi.ffi_call(op.target, structs)(*operands, **dict(attrs))
-    return list(out)
+    call = jax.ffi.ffi_call(op.target, structs, input_output_aliases=dict(op.aliases) or None)
+    return list(call(*operands, **dict(attrs)))
 
 
 def _shardings(op: _Op, mesh, shapes, result_ndims):

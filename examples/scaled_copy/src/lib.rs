@@ -9,13 +9,17 @@
 //! smallest complete example of a stateful bundle with any-dtype buffers and a workspace pool.
 //! The library exports its table with `export_library!` (last line); `scaled_copy.py` next to
 //! this crate registers it with `rmsnorm_ffi.register_library` and calls it.
+//!
+//! A second target, `ema_update`, is the smallest in-place update: `average = decay * average +
+//! (1 - decay) * x`, written over `average`'s own buffer (an [`InPlaceBuffer`] result aliasing
+//! an [`AliasedArg`]); under `jit` with the average donated, XLA copies nothing.
 #![deny(unsafe_code)]
 
 use half::{bf16, f16};
 
 use xla_ffi_bundles::ffi::{
-    AnyBuffer, AnyResult, Bundle, BundleDef, Context, DataType, Execute, FfiError, FfiResult, Host,
-    Instantiate, NativeType, Operand,
+    AliasedArg, AnyBuffer, AnyResult, Buffer, Bundle, BundleDef, Context, DataType, Execute,
+    FfiError, FfiResult, Host, InPlaceBuffer, Instantiate, NativeType, NoState, Operand,
 };
 use xla_ffi_bundles::state::{LiveState, WorkspacePool, DEFAULT_POOL_CAPACITY};
 
@@ -180,5 +184,63 @@ pub const BUNDLE: BundleDef = BundleDef::of::<ScaledCopy>()
     .execute()
     .build();
 
+/// The in-place target's name.
+pub const EMA_TARGET: &str = "ema_update";
+
+xla_ffi_bundles::ffi_attrs! {
+    /// Attributes of `ema_update`.
+    pub struct EmaAttrs {
+        /// The weight of the old average; in [0, 1].
+        pub decay: f32,
+    }
+}
+
+/// `average = decay * average + (1 - decay) * x`, in place over argument 0 (float32).
+pub struct EmaUpdate;
+
+impl Bundle for EmaUpdate {
+    const TARGET: &'static str = EMA_TARGET;
+    type Platform = Host;
+    type State = NoState;
+}
+
+impl Execute for EmaUpdate {
+    /// The average (aliased by the result: no view of it here) and the new values.
+    type Args<'a> = (AliasedArg<'a>, Buffer<'a, f32>);
+    /// The average's own buffer: its old values on entry, the new ones on return.
+    type Rets<'a> = (InPlaceBuffer<'a, f32, 0>,);
+    type Attrs<'a> = EmaAttrs;
+
+    fn execute(
+        _: &NoState,
+        _ctx: &Context<'_>,
+        (average, x): (AliasedArg<'_>, Buffer<'_, f32>),
+        (out,): (InPlaceBuffer<'_, f32, 0>,),
+        attrs: EmaAttrs,
+    ) -> FfiResult<()> {
+        let decay = attrs.decay;
+        if !(0.0..=1.0).contains(&decay) {
+            return Err(FfiError::attribute(
+                "decay",
+                format!("must be in [0, 1], got {decay}"),
+            ));
+        }
+        if x.dims != average.dims() {
+            return Err(Operand::Argument(1).wrong_shape(format!(
+                "expected {:?} like argument 0 (the average), got {:?}",
+                average.dims(),
+                x.dims
+            )));
+        }
+        for (a, &v) in out.data.iter_mut().zip(x.data) {
+            *a = decay * *a + (1.0 - decay) * v;
+        }
+        Ok(())
+    }
+}
+
+/// The in-place bundle: execute only (no state to build).
+pub const EMA_BUNDLE: BundleDef = BundleDef::of::<EmaUpdate>().execute().build();
+
 // The library's one exported symbol: its table.
-xla_ffi_bundles::export_library!(BUNDLE);
+xla_ffi_bundles::export_library!(BUNDLE, EMA_BUNDLE);

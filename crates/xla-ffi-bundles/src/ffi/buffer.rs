@@ -2,9 +2,15 @@
 //!
 //! Arguments are read-only; results are writable. Before a result is handed out, decoding checks
 //! that its memory overlaps no argument and no other result, so the `&[T]` and `&mut [T]` views
-//! this module gives out never alias. (A bundle that asks XLA to alias an input with an output
-//! cannot use the typed result views; it gets a clear decode error instead of undefined
-//! behaviour.)
+//! this module gives out never alias.
+//!
+//! In-place updates (XLA's `input_output_aliases`, donated buffers) are declared by the bundle,
+//! on both sides: the result is an [`InPlace`]`<ARG>` (or [`InPlaceBuffer`]), one writable view
+//! that holds argument `ARG`'s values when the handler starts, and argument `ARG` is an
+//! [`AliasedArg`], which gives its dtype and dimensions but no view of its data. Decoding checks
+//! that the call site aliases exactly that pair (the same buffer) and that the handler takes no
+//! readable view of it; a mismatch either way is a decode error naming both operands, never two
+//! overlapping slices.
 //!
 //! Every buffer type carries the platform of the bundle that decodes it (`P`, [`Host`] by
 //! default). Typed views (`as_slice`, [`Buffer`], [`ResultBuffer`]) exist only for [`Host`]:
@@ -455,6 +461,118 @@ impl<P: Device, T: NativeType, const RANK: usize> fmt::Debug for DeviceResult<'_
     }
 }
 
+/// An argument that a result of the same call overwrites in place: the argument side of an
+/// aliased pair (see [`InPlace`]). It gives the argument's dtype and dimensions but no view of
+/// its data, which the handler reads and writes through the in-place result: taking it as any
+/// readable buffer instead makes decoding refuse the pair (a `&[T]` and a `&mut [T]` over one
+/// buffer would be undefined behaviour).
+pub struct AliasedArg<'a, P: Platform = Host> {
+    buffer: AnyBuffer<'a, P>,
+}
+
+impl<'a, P: Platform> AliasedArg<'a, P> {
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DataType {
+        self.buffer.dtype
+    }
+
+    /// The dimensions (empty for a scalar).
+    pub fn dims(&self) -> &'a [i64] {
+        self.buffer.dims
+    }
+
+    /// The number of elements.
+    pub fn element_count(&self) -> usize {
+        self.buffer.element_count
+    }
+
+    /// Which argument this is, for messages.
+    pub fn operand(&self) -> Operand {
+        self.buffer.operand
+    }
+}
+
+impl<P: Platform> fmt::Debug for AliasedArg<'_, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AliasedArg({:?})", self.buffer)
+    }
+}
+
+/// A result that XLA aliases with argument `ARG`: one buffer, which holds the argument's values
+/// when the handler starts and must hold the result when it returns (an in-place update: an
+/// optimizer step, an accumulator, a cache written in place).
+///
+/// The call site declares the pair (`jax.ffi.ffi_call(..., input_output_aliases={ARG: r})`,
+/// or `rmsnorm_ffi.batched_ffi_op(..., input_output_aliases=...)`); the handler takes argument
+/// `ARG` as an [`AliasedArg`]. Decoding checks both: a call site that passes two separate
+/// buffers, or a handler that also takes argument `ARG` as a readable buffer (or takes its
+/// arguments as an [`ArgsView`]), is a decode error. Under `jit`, a donated argument is updated
+/// without a copy; a kept one is copied by XLA first, so the handler sees one buffer either way.
+pub struct InPlace<'a, const ARG: usize, P: Platform = Host> {
+    result: AnyResult<'a, P>,
+}
+
+impl<'a, const ARG: usize, P: Platform> InPlace<'a, ARG, P> {
+    /// The argument this result aliases.
+    pub const ARGUMENT: usize = ARG;
+
+    /// The dtype of the elements (the argument's).
+    pub fn dtype(&self) -> DataType {
+        self.result.dtype()
+    }
+
+    /// The dimensions (the argument's).
+    pub fn dims(&self) -> &'a [i64] {
+        self.result.dims()
+    }
+
+    /// The number of elements.
+    pub fn element_count(&self) -> usize {
+        self.result.element_count()
+    }
+
+    /// Which result this is, for messages.
+    pub fn operand(&self) -> Operand {
+        self.result.operand()
+    }
+
+    /// The result, as any other: its device address or writable views.
+    pub fn into_result(self) -> AnyResult<'a, P> {
+        self.result
+    }
+}
+
+impl<'a, const ARG: usize> InPlace<'a, ARG, Host> {
+    /// The buffer as a writable typed view for the rest of the call, holding the argument's
+    /// values until the handler writes them.
+    pub fn into_mut_slice<T: NativeType>(self) -> Result<&'a mut [T], String> {
+        self.result.into_mut_slice()
+    }
+}
+
+impl<const ARG: usize, P: Device> InPlace<'_, ARG, P> {
+    /// The device address of the buffer (the argument's, read and written in place).
+    pub fn device_ptr(&self) -> *mut c_void {
+        self.result.device_ptr()
+    }
+}
+
+impl<const ARG: usize, P: Platform> fmt::Debug for InPlace<'_, ARG, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InPlace<{ARG}>({:?})", self.result)
+    }
+}
+
+/// [`InPlace`] viewed as elements of the fixed dtype `T` (host bundles only): `data` holds
+/// argument `ARG`'s values when the handler starts; what the handler leaves there is the result.
+#[derive(Debug)]
+pub struct InPlaceBuffer<'a, T: NativeType, const ARG: usize> {
+    /// The elements: the argument's on entry, the result's on return.
+    pub data: &'a mut [T],
+    /// The dimensions.
+    pub dims: &'a [i64],
+}
+
 /// The validated argument list of a call frame.
 pub struct ArgsView<'a, P: Platform = Host> {
     raw: &'a sys::XLA_FFI_Args,
@@ -474,6 +592,9 @@ impl<P: Platform> Copy for ArgsView<'_, P> {}
 pub struct RetsView<'a, P: Platform = Host> {
     raw: &'a sys::XLA_FFI_Rets,
     args: ArgsView<'a, P>,
+    /// Whether the handler's argument decoder gives no view of argument `i`'s data
+    /// ([`DecodeArgs::hides_data`]): only such an argument may be aliased by an in-place result.
+    hidden: fn(usize) -> bool,
 }
 
 /// Checks a `(struct_size, size, types, items)` list header shared by args, rets and attrs.
@@ -560,7 +681,17 @@ impl<'a, P: Platform> RetsView<'a, P> {
             raw.types.is_null(),
             raw.rets.is_null(),
         )?;
-        Ok(RetsView { raw, args })
+        Ok(RetsView {
+            raw,
+            args,
+            hidden: |_| false,
+        })
+    }
+
+    /// The same view, for a handler whose argument decoder hides the data of the arguments
+    /// `hidden` names (its [`DecodeArgs::hides_data`]).
+    pub(crate) fn hiding(self, hidden: fn(usize) -> bool) -> Self {
+        RetsView { hidden, ..self }
     }
 
     /// The number of results.
@@ -593,37 +724,97 @@ impl<'a, P: Platform> RetsView<'a, P> {
     ///
     /// Taking the same result twice is prevented by the decoders, which take each index once.
     pub(crate) fn take(&self, index: usize) -> Result<AnyResult<'a, P>, String> {
+        self.take_as(index, None)
+    }
+
+    /// [`RetsView::take`] for a result that is declared in place over argument `in_place_of`
+    /// (`Some`): it must be exactly that argument's buffer, whose data the handler's argument
+    /// decoder hides, and overlap nothing else.
+    pub(crate) fn take_as(
+        &self,
+        index: usize,
+        in_place_of: Option<usize>,
+    ) -> Result<AnyResult<'a, P>, String> {
         let buffer = self.buffer(index)?;
+        if let Some(arg) = in_place_of {
+            self.check_in_place(index, &buffer, arg)?;
+        }
         let (start, end) = buffer.byte_range();
         if start < end {
             let hits = |(s, e): (usize, usize)| s < e && s < end && start < e;
-            // Data or dimensions of any other buffer: both are handed out as shared slices.
-            let overlaps =
-                |other: AnyBuffer<'_, P>| hits(other.byte_range()) || hits(other.dims_range());
             if hits(buffer.dims_range()) {
                 return Err(format!(
                     "result {index} overlaps its own dimensions in memory"
                 ));
             }
             for i in 0..self.args.len() {
-                if let Ok(arg) = self.args.get(i) {
-                    if overlaps(arg) {
-                        return Err(format!(
-                            "result {index} overlaps argument {i} in memory; aliased buffers are \
-                             not supported by the typed result views"
-                        ));
-                    }
+                let Ok(other) = self.args.get(i) else {
+                    continue;
+                };
+                // The aliased argument's data is the result's (checked above); its dimensions
+                // are still a shared slice.
+                if Some(i) != in_place_of && hits(other.byte_range()) {
+                    return Err(if other.byte_range() == (start, end) {
+                        format!(
+                            "result {index} is argument {i}'s buffer: the call site aliases them \
+                             (input_output_aliases); a handler that updates it in place takes \
+                             result {index} as InPlace<{i}> and argument {i} as AliasedArg"
+                        )
+                    } else {
+                        format!("result {index} overlaps argument {i} in memory")
+                    });
+                }
+                if hits(other.dims_range()) {
+                    return Err(format!(
+                        "result {index} overlaps argument {i}'s dimensions in memory"
+                    ));
                 }
             }
             for j in (0..self.len()).filter(|&j| j != index) {
                 if let Ok(other) = self.buffer(j) {
-                    if overlaps(other) {
+                    if hits(other.byte_range()) || hits(other.dims_range()) {
                         return Err(format!("result {index} overlaps result {j} in memory"));
                     }
                 }
             }
         }
         Ok(AnyResult { buffer })
+    }
+
+    fn check_in_place(
+        &self,
+        index: usize,
+        result: &AnyBuffer<'a, P>,
+        arg: usize,
+    ) -> Result<(), String> {
+        let declared = format!("result {index} is declared in place over argument {arg}");
+        if arg >= self.args.len() {
+            return Err(format!(
+                "{declared}, but the call has {} arguments",
+                self.args.len()
+            ));
+        }
+        if !(self.hidden)(arg) {
+            return Err(format!(
+                "{declared}, but the handler also takes argument {arg} as a readable buffer: \
+                 take it as AliasedArg (its values are read through the result)"
+            ));
+        }
+        let argument = self.args.get(arg)?;
+        if (argument.dtype, argument.dims) != (result.dtype, result.dims) {
+            return Err(format!(
+                "{declared}, but they differ: argument {arg} is {} {:?}, result {index} {} {:?}",
+                argument.dtype, argument.dims, result.dtype, result.dims
+            ));
+        }
+        if result.byte_size > 0 && argument.data != result.data {
+            return Err(format!(
+                "{declared}, but the call site passes two separate buffers: declare the pair \
+                 where the call is made (jax.ffi.ffi_call(..., input_output_aliases={{{arg}: \
+                 {index}}}))"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -636,6 +827,9 @@ impl<'a, P: Platform> RetsView<'a, P> {
             to the device"
 )]
 pub trait FromArg<'a, P: Platform>: Sized {
+    /// Whether this type gives no view of the argument's data ([`AliasedArg`]): only such an
+    /// argument may be aliased by an in-place result.
+    const HIDES_DATA: bool = false;
     /// What the signature expects, for messages ("F32 buffer").
     fn expected() -> String;
     /// The argument as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
@@ -691,6 +885,16 @@ impl<'a, P: Device, T: NativeType, const RANK: usize> FromArg<'a, P>
     }
 }
 
+impl<'a, P: Platform> FromArg<'a, P> for AliasedArg<'a, P> {
+    const HIDES_DATA: bool = true;
+    fn expected() -> String {
+        "buffer aliased by an in-place result".into()
+    }
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String> {
+        Ok(AliasedArg { buffer })
+    }
+}
+
 /// Decoding of one result of a bundle for platform `P`.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be a result of a bundle whose platform is `{P}`",
@@ -700,6 +904,8 @@ impl<'a, P: Device, T: NativeType, const RANK: usize> FromArg<'a, P>
             `device_ptr()` to the device"
 )]
 pub trait FromRet<'a, P: Platform>: Sized {
+    /// The argument this result is declared in place over ([`InPlace`]), if any.
+    const IN_PLACE_OF: Option<usize> = None;
     /// The result as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
     fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String>;
 }
@@ -742,11 +948,36 @@ impl<'a, P: Device, T: NativeType, const RANK: usize> FromRet<'a, P>
     }
 }
 
+impl<'a, const ARG: usize, P: Platform> FromRet<'a, P> for InPlace<'a, ARG, P> {
+    const IN_PLACE_OF: Option<usize> = Some(ARG);
+    fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String> {
+        Ok(InPlace { result })
+    }
+}
+
+impl<'a, T: NativeType, const ARG: usize> FromRet<'a, Host> for InPlaceBuffer<'a, T, ARG> {
+    const IN_PLACE_OF: Option<usize> = Some(ARG);
+    fn from_ret(result: AnyResult<'a, Host>) -> Result<Self, String> {
+        let dims = result.dims();
+        Ok(InPlaceBuffer {
+            data: result.into_mut_slice::<T>()?,
+            dims,
+        })
+    }
+}
+
 /// Decoding of a handler's whole argument list: tuples of [`FromArg`] types, or [`ArgsView`]
 /// itself for handlers that take a variable number of arguments.
 pub trait DecodeArgs<'a, P: Platform>: Sized {
     /// Decodes the list, recording every problem in `errors`; `None` if any argument failed.
     fn decode(args: ArgsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self>;
+
+    /// Whether the decoded list gives no view of argument `index`'s data (an [`AliasedArg`]
+    /// there), so that a result may alias it. [`ArgsView`] can view every argument: false.
+    fn hides_data(index: usize) -> bool {
+        let _ = index;
+        false
+    }
 }
 
 /// Decoding of a handler's whole result list: tuples of [`FromRet`] types.
@@ -784,6 +1015,11 @@ macro_rules! tuple_decoders {
                 )*);
                 Some(($(decoded.$idx?,)*))
             }
+
+            fn hides_data(index: usize) -> bool {
+                let hidden: [bool; $count] = [$(<$name as FromArg<'a, P>>::HIDES_DATA),*];
+                hidden.get(index).copied().unwrap_or(false)
+            }
         }
 
         impl<'a, P: Platform, $($name: FromRet<'a, P>),*> DecodeRets<'a, P> for ($($name,)*) {
@@ -793,7 +1029,10 @@ macro_rules! tuple_decoders {
                     return None;
                 }
                 let decoded = ($(
-                    rets.take($idx).and_then($name::from_ret).map_err(|e| errors.push(e)).ok(),
+                    rets.take_as($idx, $name::IN_PLACE_OF)
+                        .and_then($name::from_ret)
+                        .map_err(|e| errors.push(e))
+                        .ok(),
                 )*);
                 Some(($(decoded.$idx?,)*))
             }

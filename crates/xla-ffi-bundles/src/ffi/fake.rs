@@ -782,6 +782,8 @@ pub struct BuiltFrame {
     /// The metadata extension and the metadata it points to, for [`FrameBuilder::metadata`]
     /// frames.
     pub metadata: Option<Box<(XLA_FFI_Metadata_Extension, XLA_FFI_Metadata)>>,
+    /// For each result, the argument whose buffer it is ([`FrameBuilder::ret_in_place_of`]).
+    ret_aliases: Vec<Option<usize>>,
 }
 
 impl BuiltFrame {
@@ -792,9 +794,12 @@ impl BuiltFrame {
         take_result(unsafe { handler(self.frame.as_mut()) })
     }
 
-    /// The `index`th result after the call.
+    /// The `index`th result after the call (an in-place result's argument buffer).
     pub fn result(&self, index: usize) -> &OwnedBuffer {
-        &self.rets.owned[index]
+        match self.ret_aliases.get(index).copied().flatten() {
+            Some(arg) => &self.args.owned[arg],
+            None => &self.rets.owned[index],
+        }
     }
 
     /// The metadata the handler filled in (metadata frames only).
@@ -810,6 +815,8 @@ pub struct FrameBuilder {
     rets: Vec<OwnedBuffer>,
     arg_devices: Vec<Option<usize>>,
     ret_devices: Vec<Option<usize>>,
+    /// For each result, the argument whose buffer it is (XLA's `input_output_aliases`).
+    ret_aliases: Vec<Option<usize>>,
     attrs: Vec<(String, OwnedAttr)>,
     metadata: bool,
     api: *const XLA_FFI_Api,
@@ -824,6 +831,7 @@ impl FrameBuilder {
             rets: Vec::new(),
             arg_devices: Vec::new(),
             ret_devices: Vec::new(),
+            ret_aliases: Vec::new(),
             attrs: Vec::new(),
             metadata: false,
             api: api(),
@@ -848,6 +856,21 @@ impl FrameBuilder {
     pub fn ret(mut self, buffer: OwnedBuffer) -> Self {
         self.rets.push(buffer);
         self.ret_devices.push(None);
+        self.ret_aliases.push(None);
+        self
+    }
+
+    /// Adds a result that is argument `arg`'s buffer, as XLA passes a result aliased with an
+    /// argument (`input_output_aliases`): same dtype, dims and memory. The handler's writes land
+    /// in the argument; [`BuiltFrame::result`] reads them there.
+    pub fn ret_in_place_of(mut self, arg: usize) -> Self {
+        let argument = self.args[arg].clone();
+        self.rets.push(OwnedBuffer {
+            data: Vec::new(),
+            ..argument
+        });
+        self.ret_devices.push(self.arg_devices[arg]);
+        self.ret_aliases.push(Some(arg));
         self
     }
 
@@ -863,6 +886,7 @@ impl FrameBuilder {
     pub fn device_ret(mut self, dtype: DataType, dims: &[i64], address: usize) -> Self {
         self.rets.push(OwnedBuffer::zeros(dtype, dims));
         self.ret_devices.push(Some(address));
+        self.ret_aliases.push(None);
         self
     }
 
@@ -882,6 +906,11 @@ impl FrameBuilder {
     pub fn build(self, ctx: &FakeContext) -> BuiltFrame {
         let mut args = BuiltBuffers::new(self.args, &self.arg_devices);
         let mut rets = BuiltBuffers::new(self.rets, &self.ret_devices);
+        for (r, alias) in self.ret_aliases.iter().enumerate() {
+            if let Some(a) = *alias {
+                rets.raw[r].data = args.raw[a].data;
+            }
+        }
         let mut attrs = BuiltAttrs::new(&self.attrs);
         let mut metadata = self.metadata.then(|| {
             Box::new((
@@ -945,6 +974,7 @@ impl FrameBuilder {
             rets,
             attrs,
             metadata,
+            ret_aliases: self.ret_aliases,
         }
     }
 }

@@ -92,6 +92,7 @@ impl<'a> Frame<'a> {
         let rets = args_view.and_then(|args_view| {
             // SAFETY: the result list is XLA's, valid for the call.
             unsafe { RetsView::new(self.rets, args_view) }
+                .map(|v| v.hiding(A::hides_data))
                 .map_err(|e| errors.push(e))
                 .ok()
                 .and_then(|v| R::decode(v, &mut errors))

@@ -426,11 +426,15 @@ fn malformed_buffers() {
 
 #[test]
 fn malformed_aliasing_is_refused() {
-    malformed("result 0 overlaps argument 0 in memory", |f| {
+    // The probe's result 0 has argument 0's size: the same buffer, named as an undeclared pair.
+    malformed("result 0 is argument 0's buffer", |f| {
         f.rets.raw[0].data = f.args.raw[0].data;
     });
-    // A result written over another buffer's dimensions would alias a shared slice too.
     malformed("result 0 overlaps argument 0 in memory", |f| {
+        f.rets.raw[0].data = f.args.raw[0].data.cast::<u8>().wrapping_add(4).cast();
+    });
+    // A result written over another buffer's dimensions would alias a shared slice too.
+    malformed("result 0 overlaps argument 0's dimensions in memory", |f| {
         f.rets.raw[0].data = f.args.raw[0].dims.cast();
     });
     malformed("result 0 overlaps its own dimensions", |f| {
@@ -1113,4 +1117,247 @@ fn device_buffers_are_checked_for_dtype_and_rank_at_decode() {
             "missing {expected:?} in {message}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-place results (input_output_aliases)
+// ---------------------------------------------------------------------------------------------
+
+/// `acc += x` in place: argument 0 is the accumulator, result 0 its buffer.
+struct Accumulate;
+impl Bundle for Accumulate {
+    const TARGET: &'static str = "accumulate";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for Accumulate {
+    type Args<'a> = (AliasedArg<'a>, Buffer<'a, f32>);
+    type Rets<'a> = (InPlaceBuffer<'a, f32, 0>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (acc, x): (AliasedArg<'_>, Buffer<'_, f32>),
+        (out,): (InPlaceBuffer<'_, f32, 0>,),
+        (): (),
+    ) -> FfiResult<()> {
+        if acc.dims() != x.dims {
+            return Err(x_operand_shape(acc.dims(), x.dims));
+        }
+        for (o, v) in out.data.iter_mut().zip(x.data) {
+            *o += v;
+        }
+        Ok(())
+    }
+}
+const ACCUMULATE: BundleDef = BundleDef::of::<Accumulate>().execute().build();
+
+fn x_operand_shape(want: &[i64], got: &[i64]) -> FfiError {
+    Operand::Argument(1).wrong_shape(format!("expected {want:?} like argument 0, got {got:?}"))
+}
+
+/// The same update declared wrongly: argument 0 also taken as a readable buffer.
+struct ReadsTheAliasedArgument;
+impl Bundle for ReadsTheAliasedArgument {
+    const TARGET: &'static str = "reads_the_aliased_argument";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for ReadsTheAliasedArgument {
+    type Args<'a> = (Buffer<'a, f32>, Buffer<'a, f32>);
+    type Rets<'a> = (InPlace<'a, 0>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        _: (Buffer<'_, f32>, Buffer<'_, f32>),
+        _: (InPlace<'_, 0>,),
+        (): (),
+    ) -> FfiResult<()> {
+        unreachable!("decoding refuses the pair")
+    }
+}
+const READS_THE_ALIASED_ARGUMENT: BundleDef =
+    BundleDef::of::<ReadsTheAliasedArgument>().execute().build();
+
+/// Arguments taken as a list (any of them viewable) with an in-place result.
+struct ListedArguments;
+impl Bundle for ListedArguments {
+    const TARGET: &'static str = "listed_arguments";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for ListedArguments {
+    type Args<'a> = ArgsView<'a>;
+    type Rets<'a> = (InPlace<'a, 0>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        _: ArgsView<'_>,
+        _: (InPlace<'_, 0>,),
+        (): (),
+    ) -> FfiResult<()> {
+        unreachable!("decoding refuses the pair")
+    }
+}
+const LISTED_ARGUMENTS: BundleDef = BundleDef::of::<ListedArguments>().execute().build();
+
+/// A device update in place: the address it gets is the argument's.
+struct DeviceInPlace;
+impl Bundle for DeviceInPlace {
+    const TARGET: &'static str = "device_in_place";
+    type Platform = Cuda;
+    type State = NoState;
+}
+impl Execute for DeviceInPlace {
+    type Args<'a> = (AliasedArg<'a, Cuda>,);
+    type Rets<'a> = (InPlace<'a, 0, Cuda>,);
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (arg,): (AliasedArg<'_, Cuda>,),
+        (out,): (InPlace<'_, 0, Cuda>,),
+        (): (),
+    ) -> FfiResult<()> {
+        SEEN.lock().push(format!(
+            "in place {:#x} {:?} {}",
+            out.device_ptr() as usize,
+            arg.dims(),
+            InPlace::<'_, 0, Cuda>::ARGUMENT
+        ));
+        Ok(())
+    }
+}
+const DEVICE_IN_PLACE: BundleDef = BundleDef::of::<DeviceInPlace>().execute().build();
+
+fn accumulate_frame() -> FrameBuilder {
+    FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]))
+        .arg(OwnedBuffer::from_values(
+            &[2, 2],
+            &[10.0f32, 20.0, 30.0, 40.0],
+        ))
+}
+
+#[test]
+fn an_in_place_result_updates_the_argument_it_aliases() {
+    let ctx = FakeContext::new();
+    let mut frame = accumulate_frame().ret_in_place_of(0).build(&ctx);
+    assert_eq!(frame.rets.raw[0].data, frame.args.raw[0].data);
+    frame.call(execute(&ACCUMULATE)).unwrap();
+    assert_eq!(frame.result(0).values::<f32>(), [11.0, 22.0, 33.0, 44.0]);
+    // The handler's own errors still come through.
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2], &[1.0f32, 2.0]))
+        .arg(OwnedBuffer::from_values(&[1, 2], &[1.0f32, 2.0]))
+        .ret_in_place_of(0)
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &ACCUMULATE, Stage::Execute);
+    assert!(message.contains("wrong shape for argument 1"), "{message}");
+}
+
+#[test]
+fn an_in_place_result_the_call_site_does_not_alias_is_refused() {
+    let ctx = FakeContext::new();
+    let mut frame = accumulate_frame()
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2, 2]))
+        .build(&ctx);
+    let (code, message) = call_err(&mut frame, &ACCUMULATE, Stage::Execute);
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(
+        message.contains(
+            "result 0 is declared in place over argument 0, but the call site passes two \
+             separate buffers: declare the pair where the call is made \
+             (jax.ffi.ffi_call(..., input_output_aliases={0: 0}))"
+        ),
+        "{message}"
+    );
+    // Another dtype or shape than the argument's.
+    let mut frame = accumulate_frame()
+        .ret(OwnedBuffer::zeros(DataType::F32, &[4]))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &ACCUMULATE, Stage::Execute);
+    assert!(
+        message.contains("but they differ: argument 0 is F32 [2, 2], result 0 F32 [4]"),
+        "{message}"
+    );
+}
+
+#[test]
+fn an_in_place_result_needs_its_argument_hidden_from_the_handler() {
+    let ctx = FakeContext::new();
+    for def in [&READS_THE_ALIASED_ARGUMENT, &LISTED_ARGUMENTS] {
+        let mut frame = accumulate_frame().ret_in_place_of(0).build(&ctx);
+        let (_, message) = call_err(&mut frame, def, Stage::Execute);
+        assert!(
+            message.contains(
+                "result 0 is declared in place over argument 0, but the handler also takes \
+                 argument 0 as a readable buffer: take it as AliasedArg"
+            ),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn an_aliased_pair_the_bundle_does_not_declare_is_named_not_decoded() {
+    let ctx = FakeContext::new();
+    // The probe takes a plain result: aliased by the call site, it is refused with the fix.
+    let mut frame = probe_attrs(
+        FrameBuilder::new(Stage::Execute)
+            .arg(OwnedBuffer::from_values(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]))
+            .arg(OwnedBuffer::from_values(&[3], &[1i32, 2, 3]))
+            .ret_in_place_of(0),
+    )
+    .build(&ctx);
+    let (_, message) = call_err(&mut frame, &PROBE, Stage::Execute);
+    assert!(
+        message.contains(
+            "result 0 is argument 0's buffer: the call site aliases them (input_output_aliases); \
+             a handler that updates it in place takes result 0 as InPlace<0> and argument 0 as \
+             AliasedArg"
+        ),
+        "{message}"
+    );
+    // An in-place result may overlap its own argument only: the other argument here is the
+    // same memory (a readable slice of it would alias the writable one).
+    let mut frame = accumulate_frame().ret_in_place_of(0).build(&ctx);
+    frame.args.raw[1].data = frame.args.raw[0].data;
+    let (_, message) = call_err(&mut frame, &ACCUMULATE, Stage::Execute);
+    assert!(
+        message.contains("result 0 is argument 1's buffer"),
+        "{message}"
+    );
+    // An argument index past the list.
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .ret_in_place_of(0)
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &ACCUMULATE, Stage::Execute);
+    assert!(
+        message.contains("wrong number of arguments: expected 2, got 1"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_device_result_in_place_is_the_arguments_address() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .device_arg(DataType::BF16, &[4, 8], 0x7000_0000)
+        .ret_in_place_of(0)
+        .build(&ctx);
+    frame.call(execute(&DEVICE_IN_PLACE)).unwrap();
+    assert!(SEEN
+        .lock()
+        .iter()
+        .any(|s| s == "in place 0x70000000 [4, 8] 0"));
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .device_arg(DataType::BF16, &[4, 8], 0x7000_0000)
+        .device_ret(DataType::BF16, &[4, 8], 0x7100_0000)
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &DEVICE_IN_PLACE, Stage::Execute);
+    assert!(message.contains("two separate buffers"), "{message}");
 }
