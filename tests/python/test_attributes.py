@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 import ml_dtypes
 
-from testing_bundles import describe_attributes
+import jax
+import jax.numpy as jnp
+
+from testing_bundles import describe_attributes, lists
 
 
 @pytest.mark.parametrize(
@@ -59,3 +62,43 @@ def test_half_precision_scalar_attributes_are_refused_by_xla(value):
 
 def test_no_attributes():
     assert describe_attributes() == ""
+
+
+def test_optional_and_remaining_arguments_any_number_of_results_through_xla():
+    # Typed decoding of real frames: (Buffer, Option<Buffer>, RemainingArgs) -> ResultList, with a
+    # nested dictionary attribute decoded into a struct holding an integer enum.
+    x = jnp.arange(4, dtype=jnp.float32)
+    bias = jnp.full(4, 0.5, jnp.float32)
+    rest = [jnp.full(4, float(k), jnp.float32) for k in (1, 2, 3)]
+    (only,) = jax.jit(lambda x: lists(x, factor=np.float32(2.0)))(x)
+    np.testing.assert_array_equal(only, 2.0 * np.arange(4))
+    out = jax.jit(lambda *a: lists(*a, results=3, factor=np.float32(2.0)))(x, bias, *rest)
+    for k, r in enumerate(out):
+        np.testing.assert_array_equal(r, (np.arange(4) + 6.0) * 2.0 + 0.5 + k)
+    # The enum's value as a Python int (S64) or np.int32 (S32): Max.
+    for seven in (7, np.int32(7)):
+        (m,) = jax.jit(lambda *a: lists(*a, reduce=seven))(x, bias, *rest)
+        np.testing.assert_array_equal(m, np.maximum(np.arange(4), 3.0) + 0.5)
+    # Any number of results: 100 (more than the 64 a list tracks inline).
+    many = jax.jit(lambda x: lists(x, results=100))(x)
+    assert len(many) == 100
+    np.testing.assert_array_equal(np.stack(many)[:, 0], np.arange(100))
+
+
+def test_list_and_nested_attribute_errors_come_back_named():
+    x = jnp.ones(4, jnp.float32)
+    with pytest.raises(Exception, match=r"`reduce`: expected one of 0 \(Sum\), 7 \(Max\) \(integer\), got S64 scalar 3"):
+        jax.block_until_ready(jax.jit(lambda x: lists(x, reduce=3))(x))
+    with pytest.raises(Exception, match=r"wrong number of arguments: expected at least 1, got 0"):
+        from testing_bundles import LISTS_TARGET, register
+
+        register()
+        call = jax.ffi.ffi_call(LISTS_TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
+        jax.block_until_ready(jax.jit(lambda: call(scaling={"factor": np.float32(1), "reduce": 0}))())
+    with pytest.raises(Exception, match=r"attribute `scaling`: in the dictionary: missing attribute `factor`"):
+        from testing_bundles import LISTS_TARGET
+
+        call = jax.ffi.ffi_call(LISTS_TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
+        jax.block_until_ready(jax.jit(lambda x: call(x, scaling={"reduce": 0}))(x))
+    with pytest.raises(Exception, match=r"wrong dtype for argument 2: expected F32, got S32"):
+        jax.block_until_ready(jax.jit(lambda x: lists(x, x, jnp.ones(4, jnp.int32)))(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import rmsnorm_ffi
 from conftest import bundle_library
@@ -21,6 +22,7 @@ def register() -> tuple[str, ...]:
 STAGES_TARGET = "rmsnorm_ffi_testing_stages"
 CONTEXT_TARGET = "rmsnorm_ffi_testing_context"
 ATTRS_TARGET = "rmsnorm_ffi_testing_attrs"
+LISTS_TARGET = "rmsnorm_ffi_testing_lists"
 STAGES = ("instantiate", "prepare", "initialize", "execute")
 
 
@@ -50,3 +52,12 @@ def describe_attributes(size: int = 4096, **attributes) -> str:
     call = jax.ffi.ffi_call(ATTRS_TARGET, jax.ShapeDtypeStruct((size,), jnp.uint8))
     raw = np.asarray(jax.jit(lambda: call(**attributes))())
     return bytes(raw).rstrip(b"\0").decode()
+
+
+def lists(x, *more, results: int = 1, factor=np.float32(1.0), reduce=0):
+    """The lists bundle: ``x``, then (if given) an optional bias and any number of remaining
+    arguments; ``results`` float32 results, result ``k`` being ``reduce(x, rest) * factor + bias +
+    k`` (``reduce``: 0 sum, 7 max), its attribute ``scaling={"factor": .., "reduce": ..}``."""
+    register()
+    call = jax.ffi.ffi_call(LISTS_TARGET, [jax.ShapeDtypeStruct(x.shape, jnp.float32)] * results)
+    return call(x, *more, scaling={"factor": factor, "reduce": reduce})

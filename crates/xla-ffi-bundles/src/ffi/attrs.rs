@@ -622,6 +622,92 @@ macro_rules! ffi_string_enum {
     };
 }
 
+/// An integer scalar's value, whatever its width and signedness (`None` for any other value):
+/// what [`crate::ffi_int_enum!`] matches, since a Python `int` arrives as S64 and `np.int32(1)` as S32.
+pub fn integer_value(value: AttrValue<'_>) -> Option<i128> {
+    match value {
+        AttrValue::Scalar(s) => match s {
+            Scalar::S8(v) => Some(v.into()),
+            Scalar::S16(v) => Some(v.into()),
+            Scalar::S32(v) => Some(v.into()),
+            Scalar::S64(v) => Some(v.into()),
+            Scalar::U8(v) => Some(v.into()),
+            Scalar::U16(v) => Some(v.into()),
+            Scalar::U32(v) => Some(v.into()),
+            Scalar::U64(v) => Some(v.into()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// What an integer enum expects, for messages: `one of 0 (fast), 1 (exact) (integer)`.
+pub fn describe_values(values: &[(i128, &str)]) -> String {
+    let each: Vec<String> = values.iter().map(|(v, n)| format!("{v} ({n})")).collect();
+    format!("one of {} (integer)", each.join(", "))
+}
+
+/// Declares an enum decoded from an integer attribute by value (XLA's C++ enums decoded from
+/// their underlying integer), of any integer dtype: a Python `int` and `np.int32(1)` both
+/// decode. A value with no variant is refused with every accepted value and its name ("wrong
+/// type for attribute `mode`: expected one of 0 (Fast), 1 (Exact) (integer), got S64 scalar
+/// 7"). Each enum also gets `Enum::VALUES`, `value()` and `from_value()`.
+///
+/// ```
+/// xla_ffi_bundles::ffi_int_enum! {
+///     /// How an example op reduces.
+///     pub enum Reduction {
+///         /// The sum.
+///         Sum = 0,
+///         /// The mean.
+///         Mean = 1,
+///     }
+/// }
+/// assert_eq!(Reduction::from_value(1), Some(Reduction::Mean));
+/// assert_eq!(Reduction::Sum.value(), 0);
+/// ```
+#[macro_export]
+macro_rules! ffi_int_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident = $value:literal ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        $vis enum $name { $( $(#[$vmeta])* $variant ),+ }
+
+        impl $name {
+            /// The accepted values and their variants' names, in declaration order.
+            pub const VALUES: &'static [(i128, &'static str)] =
+                &[$(($value, stringify!($variant))),+];
+
+            /// The integer this variant is passed as.
+            pub fn value(self) -> i128 {
+                match self { $( $name::$variant => $value ),+ }
+            }
+
+            /// The variant whose value is `value`, if any.
+            pub fn from_value(value: i128) -> ::std::option::Option<Self> {
+                $( if value == $value { return ::std::option::Option::Some($name::$variant); } )+
+                ::std::option::Option::None
+            }
+        }
+
+        impl<'__a> $crate::ffi::attrs::FromAttr<'__a> for $name {
+            fn expected() -> ::std::string::String {
+                $crate::ffi::attrs::describe_values(Self::VALUES)
+            }
+            fn from_attr(
+                value: $crate::ffi::attrs::AttrValue<'__a>,
+            ) -> ::std::option::Option<Self> {
+                $crate::ffi::attrs::integer_value(value).and_then(Self::from_value)
+            }
+        }
+    };
+}
+
 /// Decodes the attribute `name` as `T`, recording a message on failure.
 pub fn decode_field<'a, T: FromAttr<'a>>(
     attrs: Attrs<'a>,
@@ -650,6 +736,23 @@ pub fn decode_field<'a, T: FromAttr<'a>>(
             }
             decoded
         }
+    }
+}
+
+/// A dictionary attribute decoded as `T` (an [`crate::ffi_attrs!`] struct nested in another): every
+/// problem inside it, joined, or what the value was if it is no dictionary.
+pub fn decode_nested<'a, T: DecodeAttrs<'a>>(value: AttrValue<'a>) -> Result<T, String> {
+    let AttrValue::Dictionary(inner) = value else {
+        return Err(format!("expected dictionary, got {}", value.describe()));
+    };
+    let mut errors = DecodeErrors::new();
+    let decoded = T::decode(inner, &mut errors);
+    match decoded {
+        Some(v) if errors.is_empty() => Ok(v),
+        _ => Err(format!(
+            "in the dictionary: {}",
+            errors.messages().join("; ")
+        )),
     }
 }
 
@@ -723,6 +826,8 @@ macro_rules! ffi_attrs {
         impl<$lt> $crate::ffi::attrs::DecodeAttrs<$lt> for $name<$lt> {
             $crate::ffi_attrs!(@decode $lt, $name { $($field : $ty),* });
         }
+
+        $crate::ffi_attrs!(@nested $lt, $name<$lt>);
     };
     (
         $(#[$meta:meta])*
@@ -736,6 +841,27 @@ macro_rules! ffi_attrs {
 
         impl<'__a> $crate::ffi::attrs::DecodeAttrs<'__a> for $name {
             $crate::ffi_attrs!(@decode '__a, $name { $($field : $ty),* });
+        }
+
+        $crate::ffi_attrs!(@nested '__a, $name);
+    };
+    // The struct as the value of a dictionary attribute (a nested struct field).
+    (@nested $lt:lifetime, $ty:ty) => {
+        impl<$lt> $crate::ffi::attrs::FromAttr<$lt> for $ty {
+            fn expected() -> ::std::string::String {
+                ::std::format!("dictionary ({})", stringify!($ty))
+            }
+            fn from_attr(
+                value: $crate::ffi::attrs::AttrValue<$lt>,
+            ) -> ::std::option::Option<Self> {
+                $crate::ffi::attrs::decode_nested(value).ok()
+            }
+            fn mismatch(value: $crate::ffi::attrs::AttrValue<$lt>) -> ::std::string::String {
+                match $crate::ffi::attrs::decode_nested::<Self>(value) {
+                    ::std::result::Result::Err(why) => why,
+                    ::std::result::Result::Ok(_) => ::std::string::String::new(),
+                }
+            }
         }
     };
     (@decode $lt:lifetime, $name:ident { $($field:ident : $ty:ty),* }) => {

@@ -830,10 +830,60 @@ pub trait FromArg<'a, P: Platform>: Sized {
     /// Whether this type gives no view of the argument's data ([`AliasedArg`]): only such an
     /// argument may be aliased by an in-place result.
     const HIDES_DATA: bool = false;
+    /// How many arguments it takes from the list: one (every buffer type), zero or one
+    /// (`Option<T>`), or all that are left ([`RemainingArgs`]).
+    const ARITY: Arity = Arity::One;
     /// What the signature expects, for messages ("F32 buffer").
     fn expected() -> String;
     /// The argument as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
     fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String>;
+    /// `Self` from the list, at `index` (the tuple decoders call this; the count was checked
+    /// against [`FromArg::ARITY`]). By default the argument at `index`.
+    fn from_list(args: ArgsView<'a, P>, index: usize) -> Result<Self, String> {
+        args.get(index).and_then(Self::from_arg)
+    }
+}
+
+/// How many operands of the list one element of a handler's signature takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arity {
+    /// Exactly one.
+    One,
+    /// One if the call has it, else none (`Option<T>`): after every [`Arity::One`].
+    Optional,
+    /// All the operands left ([`RemainingArgs`]): last.
+    Rest,
+}
+
+/// Checks the count of operands `got` against a signature's `arities` (`what`: "arguments"):
+/// the required ones, then optional ones, then at most one rest, last.
+fn check_arity(what: &str, arities: &[Arity], got: usize, errors: &mut DecodeErrors) -> bool {
+    let required = arities.iter().take_while(|&&a| a == Arity::One).count();
+    let optional = arities[required..]
+        .iter()
+        .take_while(|&&a| a == Arity::Optional)
+        .count();
+    let rest = arities[required + optional..] == [Arity::Rest];
+    if required + optional + usize::from(rest) != arities.len() {
+        errors.push(format!(
+            "the handler's {what} are declared out of order: required ones first, then optional \
+             ones (Option), then at most one list of the rest, last"
+        ));
+        return false;
+    }
+    let most = required + optional;
+    let expected = match (optional, rest) {
+        (0, false) => required.to_string(),
+        (_, false) => format!("{required} to {most}"),
+        (_, true) => format!("at least {required}"),
+    };
+    if got < required || (!rest && got > most) {
+        errors.push(format!(
+            "wrong number of {what}: expected {expected}, got {got}"
+        ));
+        return false;
+    }
+    true
 }
 
 impl<'a, P: Platform> FromArg<'a, P> for AnyBuffer<'a, P> {
@@ -906,8 +956,15 @@ impl<'a, P: Platform> FromArg<'a, P> for AliasedArg<'a, P> {
 pub trait FromRet<'a, P: Platform>: Sized {
     /// The argument this result is declared in place over ([`InPlace`]), if any.
     const IN_PLACE_OF: Option<usize> = None;
+    /// How many results it takes: one, or zero or one (`Option<T>`, after the required ones).
+    const ARITY: Arity = Arity::One;
     /// The result as `Self`, or why it does not fit (e.g. a wrong dtype, misaligned data).
     fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String>;
+    /// `Self` from the list, at `index`; by default the result there, taken once.
+    fn from_list(rets: &RetsView<'a, P>, index: usize) -> Result<Self, String> {
+        rets.take_as(index, Self::IN_PLACE_OF)
+            .and_then(Self::from_ret)
+    }
 }
 
 impl<'a, P: Platform> FromRet<'a, P> for AnyResult<'a, P> {
@@ -966,6 +1023,105 @@ impl<'a, T: NativeType, const ARG: usize> FromRet<'a, Host> for InPlaceBuffer<'a
     }
 }
 
+/// An optional argument: `Some` when the call has one at this place, `None` when the list is
+/// shorter (XLA's `OptionalArg`). Optional arguments follow the required ones.
+impl<'a, P: Platform, T: FromArg<'a, P>> FromArg<'a, P> for Option<T> {
+    const HIDES_DATA: bool = T::HIDES_DATA;
+    const ARITY: Arity = Arity::Optional;
+    fn expected() -> String {
+        format!("{} (optional)", T::expected())
+    }
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String> {
+        T::from_arg(buffer).map(Some)
+    }
+    fn from_list(args: ArgsView<'a, P>, index: usize) -> Result<Self, String> {
+        if index >= args.len() {
+            return Ok(None);
+        }
+        T::from_list(args, index).map(Some)
+    }
+}
+
+/// An optional result: `Some` when the call has one at this place (XLA's `OptionalRet`).
+impl<'a, P: Platform, T: FromRet<'a, P>> FromRet<'a, P> for Option<T> {
+    const IN_PLACE_OF: Option<usize> = T::IN_PLACE_OF;
+    const ARITY: Arity = Arity::Optional;
+    fn from_ret(result: AnyResult<'a, P>) -> Result<Self, String> {
+        T::from_ret(result).map(Some)
+    }
+    fn from_list(rets: &RetsView<'a, P>, index: usize) -> Result<Self, String> {
+        if index >= rets.len() {
+            return Ok(None);
+        }
+        T::from_list(rets, index).map(Some)
+    }
+}
+
+/// Every argument after the fixed ones of a handler's signature (XLA's `RemainingArgs`): the
+/// last element of the argument tuple, as in `(Buffer<'a, f32>, RemainingArgs<'a>)`. Indices
+/// are the list's own (0 is the first remaining argument); messages name the call's.
+#[derive(Clone, Copy)]
+pub struct RemainingArgs<'a, P: Platform = Host> {
+    args: ArgsView<'a, P>,
+    start: usize,
+}
+
+impl<'a, P: Platform> RemainingArgs<'a, P> {
+    /// How many arguments remain (none when optional arguments before the list are absent too).
+    pub fn len(&self) -> usize {
+        self.args.len().saturating_sub(self.start)
+    }
+
+    /// Whether none remain.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `index`th remaining argument (the call's argument `start + index`), validated.
+    pub fn get(&self, index: usize) -> Result<AnyBuffer<'a, P>, String> {
+        if index >= self.len() {
+            return Err(format!(
+                "there is no remaining argument {index} ({} remain after the {} fixed ones)",
+                self.len(),
+                self.start
+            ));
+        }
+        self.args.get(self.start + index)
+    }
+
+    /// The `index`th remaining argument decoded as `T` (e.g. `Buffer<'a, f32>`).
+    pub fn decode<T: FromArg<'a, P>>(&self, index: usize) -> Result<T, String> {
+        self.get(index).and_then(T::from_arg)
+    }
+}
+
+impl<P: Platform> fmt::Debug for RemainingArgs<'_, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "RemainingArgs({} from argument {})",
+            self.len(),
+            self.start
+        )
+    }
+}
+
+impl<'a, P: Platform> FromArg<'a, P> for RemainingArgs<'a, P> {
+    const ARITY: Arity = Arity::Rest;
+    fn expected() -> String {
+        "the remaining arguments".into()
+    }
+    fn from_arg(buffer: AnyBuffer<'a, P>) -> Result<Self, String> {
+        Err(format!(
+            "{}: RemainingArgs decodes a list, not one buffer",
+            buffer.operand()
+        ))
+    }
+    fn from_list(args: ArgsView<'a, P>, index: usize) -> Result<Self, String> {
+        Ok(RemainingArgs { args, start: index })
+    }
+}
+
 /// Decoding of a handler's whole argument list: tuples of [`FromArg`] types, or [`ArgsView`]
 /// itself for handlers that take a variable number of arguments.
 pub trait DecodeArgs<'a, P: Platform>: Sized {
@@ -992,26 +1148,17 @@ impl<'a, P: Platform> DecodeArgs<'a, P> for ArgsView<'a, P> {
     }
 }
 
-fn check_count(what: &str, expected: usize, got: usize, errors: &mut DecodeErrors) -> bool {
-    if expected != got {
-        errors.push(format!(
-            "wrong number of {what}: expected {expected}, got {got}"
-        ));
-        return false;
-    }
-    true
-}
-
 macro_rules! tuple_decoders {
     ($count:expr; $($name:ident : $idx:tt),*) => {
         impl<'a, P: Platform, $($name: FromArg<'a, P>),*> DecodeArgs<'a, P> for ($($name,)*) {
             #[allow(unused_variables)]
             fn decode(args: ArgsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
-                if !check_count("arguments", $count, args.len(), errors) {
+                let arities: [Arity; $count] = [$(<$name as FromArg<'a, P>>::ARITY),*];
+                if !check_arity("arguments", &arities, args.len(), errors) {
                     return None;
                 }
                 let decoded = ($(
-                    args.get($idx).and_then($name::from_arg).map_err(|e| errors.push(e)).ok(),
+                    $name::from_list(args, $idx).map_err(|e| errors.push(e)).ok(),
                 )*);
                 Some(($(decoded.$idx?,)*))
             }
@@ -1025,14 +1172,12 @@ macro_rules! tuple_decoders {
         impl<'a, P: Platform, $($name: FromRet<'a, P>),*> DecodeRets<'a, P> for ($($name,)*) {
             #[allow(unused_variables)]
             fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
-                if !check_count("results", $count, rets.len(), errors) {
+                let arities: [Arity; $count] = [$(<$name as FromRet<'a, P>>::ARITY),*];
+                if !check_arity("results", &arities, rets.len(), errors) {
                     return None;
                 }
                 let decoded = ($(
-                    rets.take_as($idx, $name::IN_PLACE_OF)
-                        .and_then($name::from_ret)
-                        .map_err(|e| errors.push(e))
-                        .ok(),
+                    $name::from_list(&rets, $idx).map_err(|e| errors.push(e)).ok(),
                 )*);
                 Some(($(decoded.$idx?,)*))
             }
@@ -1050,61 +1195,66 @@ tuple_decoders!(6; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5);
 tuple_decoders!(7; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6);
 tuple_decoders!(8; A: 0, B: 1, C: 2, D: 3, E: 4, F: 5, G: 6, H: 7);
 
-/// Results of a handler whose result count varies (up to [`ResultList::MAX`]): each result is
-/// taken out once.
+/// Results of a handler whose result count varies (any number): every result is validated at
+/// decode (all problems reported together), then each is taken out once. Up to 64 results it
+/// allocates nothing; above, one bitmap.
 pub struct ResultList<'a, P: Platform = Host> {
-    items: [Option<AnyResult<'a, P>>; RESULT_LIST_MAX],
-    len: usize,
+    rets: RetsView<'a, P>,
+    taken: Taken,
 }
 
-/// The most results a [`ResultList`] holds.
-pub const RESULT_LIST_MAX: usize = 8;
-
-impl<P: Platform> ResultList<'_, P> {
-    /// The most results a list holds: [`RESULT_LIST_MAX`].
-    pub const MAX: usize = RESULT_LIST_MAX;
+/// Which results of a [`ResultList`] were taken.
+enum Taken {
+    Inline(u64),
+    Heap(Vec<bool>),
 }
 
 impl<'a, P: Platform> ResultList<'a, P> {
     /// The number of results of the call, taken or not.
     pub fn len(&self) -> usize {
-        self.len
+        self.rets.len()
     }
 
     /// Whether the call has no results.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The `index`th result; `None` if there is none or it was taken already.
     pub fn take(&mut self, index: usize) -> Option<AnyResult<'a, P>> {
-        self.items.get_mut(index).and_then(Option::take)
+        if index >= self.len() {
+            return None;
+        }
+        let first = match &mut self.taken {
+            Taken::Inline(bits) => {
+                let was = *bits & (1 << index) == 0;
+                *bits |= 1 << index;
+                was
+            }
+            Taken::Heap(flags) => !std::mem::replace(&mut flags[index], true),
+        };
+        // Validated (and checked for overlaps) at decode; `buffer` only re-reads it.
+        first
+            .then(|| self.rets.buffer(index).ok())
+            .flatten()
+            .map(|buffer| AnyResult { buffer })
     }
 }
 
 impl<'a, P: Platform> DecodeRets<'a, P> for ResultList<'a, P> {
     fn decode(rets: RetsView<'a, P>, errors: &mut DecodeErrors) -> Option<Self> {
-        if rets.len() > RESULT_LIST_MAX {
-            errors.push(format!(
-                "too many results: {} (at most {RESULT_LIST_MAX} supported)",
-                rets.len(),
-            ));
-            return None;
-        }
-        let mut items: [Option<AnyResult<'a, P>>; RESULT_LIST_MAX] = Default::default();
         let mut ok = true;
-        for (i, item) in items.iter_mut().enumerate().take(rets.len()) {
-            match rets.take(i) {
-                Ok(r) => *item = Some(r),
-                Err(e) => {
-                    errors.push(e);
-                    ok = false;
-                }
+        for i in 0..rets.len() {
+            if let Err(e) = rets.take(i) {
+                errors.push(e);
+                ok = false;
             }
         }
-        ok.then_some(ResultList {
-            items,
-            len: rets.len(),
-        })
+        let taken = if rets.len() <= 64 {
+            Taken::Inline(0)
+        } else {
+            Taken::Heap(vec![false; rets.len()])
+        };
+        ok.then_some(ResultList { rets, taken })
     }
 }

@@ -55,8 +55,8 @@ pub mod types;
 
 pub use attrs::{AttrValue, Attrs, DecodeAttrs, FromAttr, Scalar};
 pub use buffer::{
-    AliasedArg, AnyBuffer, AnyResult, ArgsView, Buffer, DeviceBuffer, DeviceResult, InPlace,
-    InPlaceBuffer, Operand, RankedBuffer, RankedResult, ResultBuffer, ResultList,
+    AliasedArg, AnyBuffer, AnyResult, ArgsView, Arity, Buffer, DeviceBuffer, DeviceResult, InPlace,
+    InPlaceBuffer, Operand, RankedBuffer, RankedResult, RemainingArgs, ResultBuffer, ResultList,
 };
 pub use bundle::{
     Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, Traits,

@@ -1361,3 +1361,261 @@ fn a_device_result_in_place_is_the_arguments_address() {
     let (_, message) = call_err(&mut frame, &DEVICE_IN_PLACE, Stage::Execute);
     assert!(message.contains("two separate buffers"), "{message}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Argument and result lists: optional, remaining, any number; nested and integer-enum attributes
+// ---------------------------------------------------------------------------------------------
+
+crate::ffi_int_enum! {
+    /// How [`Lists`] reduces.
+    enum Reduce {
+        Sum = 0,
+        Max = 7,
+    }
+}
+
+crate::ffi_attrs! {
+    /// A dictionary nested in [`ListsAttrs`].
+    struct Scaling {
+        factor: f32,
+        reduce: Reduce,
+    }
+}
+
+crate::ffi_attrs! {
+    struct ListsAttrs {
+        scaling: Scaling,
+        bias: Option<f32>,
+    }
+}
+
+/// `out[0] = reduce(x, rest...) * factor (+ bias if the optional argument is given)`; the
+/// optional result, if present, gets the number of remaining arguments.
+struct Lists;
+impl Bundle for Lists {
+    const TARGET: &'static str = "lists";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for Lists {
+    type Args<'a> = (Buffer<'a, f32>, Option<Buffer<'a, f32>>, RemainingArgs<'a>);
+    type Rets<'a> = (ResultBuffer<'a, f32>, Option<ResultBuffer<'a, i32>>);
+    type Attrs<'a> = ListsAttrs;
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (x, bias, rest): Self::Args<'_>,
+        (out, count): Self::Rets<'_>,
+        attrs: ListsAttrs,
+    ) -> FfiResult<()> {
+        for (i, o) in out.data.iter_mut().enumerate() {
+            let mut acc = x.data[i];
+            for k in 0..rest.len() {
+                let v = rest.decode::<Buffer<'_, f32>>(k)?.data[i];
+                acc = match attrs.scaling.reduce {
+                    Reduce::Sum => acc + v,
+                    Reduce::Max => acc.max(v),
+                };
+            }
+            *o = acc * attrs.scaling.factor
+                + bias.map_or(0.0, |b| b.data[i])
+                + attrs.bias.unwrap_or(0.0);
+        }
+        if let Some(count) = count {
+            count.data[0] = rest.len() as i32;
+        }
+        Ok(())
+    }
+}
+const LISTS: BundleDef = BundleDef::of::<Lists>().execute().build();
+
+fn scaling(factor: f32, reduce: OwnedAttr) -> OwnedAttr {
+    OwnedAttr::Dict(vec![
+        ("factor".into(), OwnedAttr::scalar(factor)),
+        ("reduce".into(), reduce),
+    ])
+}
+
+fn lists_frame(args: &[[f32; 2]], with_count: bool, reduce: OwnedAttr) -> FrameBuilder {
+    let mut b = FrameBuilder::new(Stage::Execute);
+    for a in args {
+        b = b.arg(OwnedBuffer::from_values(&[2], a));
+    }
+    b = b.ret(OwnedBuffer::zeros(DataType::F32, &[2]));
+    if with_count {
+        b = b.ret(OwnedBuffer::zeros(DataType::S32, &[1]));
+    }
+    b.attr("scaling", scaling(2.0, reduce))
+}
+
+#[test]
+fn optional_and_remaining_operands_decode_by_position() {
+    let ctx = FakeContext::new();
+    // x alone: no bias, no remaining arguments, no count.
+    let mut frame = lists_frame(&[[1.0, 2.0]], false, OwnedAttr::scalar(0i64)).build(&ctx);
+    frame.call(execute(&LISTS)).unwrap();
+    assert_eq!(frame.result(0).values::<f32>(), [2.0, 4.0]);
+    // x, bias, then three remaining ones, summed; the optional count result present. The enum
+    // value comes as an S32 here (np.int32), as an S64 above (a Python int).
+    let args = [[1.0, 2.0], [0.5, 0.5], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]];
+    let mut frame = lists_frame(&args, true, OwnedAttr::scalar(0i32)).build(&ctx);
+    frame.call(execute(&LISTS)).unwrap();
+    assert_eq!(frame.result(0).values::<f32>(), [14.5, 16.5]);
+    assert_eq!(frame.result(1).values::<i32>(), [3]);
+    // Max, by its value 7 as a U8.
+    let mut frame = lists_frame(&args, true, OwnedAttr::scalar(7u8)).build(&ctx);
+    frame.call(execute(&LISTS)).unwrap();
+    assert_eq!(frame.result(0).values::<f32>(), [6.5, 6.5]);
+}
+
+#[test]
+fn lists_name_what_is_missing_or_extra() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .attr("scaling", scaling(1.0, OwnedAttr::scalar(0i64)))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &LISTS, Stage::Execute);
+    assert!(
+        message.contains("wrong number of arguments: expected at least 1, got 0"),
+        "{message}"
+    );
+    assert!(
+        message.contains("wrong number of results: expected 1 to 2, got 0"),
+        "{message}"
+    );
+    // A remaining argument of the wrong dtype is the handler's error, naming the call's index.
+    let mut frame = lists_frame(&[[1.0, 2.0], [0.0, 0.0]], false, OwnedAttr::scalar(0i64))
+        .arg(OwnedBuffer::from_values(&[2], &[1i32, 2]))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &LISTS, Stage::Execute);
+    assert!(
+        message.contains("wrong dtype for argument 2: expected F32, got S32"),
+        "{message}"
+    );
+}
+
+#[test]
+fn nested_dictionaries_and_integer_enums_report_inside_the_dictionary() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2], &[1.0f32, 2.0]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .attr(
+            "scaling",
+            OwnedAttr::Dict(vec![
+                ("reduce".into(), OwnedAttr::scalar(3i64)),
+                ("extra".into(), OwnedAttr::pred(true)),
+            ]),
+        )
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &LISTS, Stage::Execute);
+    for expected in [
+        "wrong type for attribute `scaling`: in the dictionary: ",
+        "unexpected attribute `extra` (expected: factor, reduce)",
+        "missing attribute `factor` (F32 scalar)",
+        "wrong type for attribute `reduce`: expected one of 0 (Sum), 7 (Max) (integer), got S64 \
+         scalar 3",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in {message}"
+        );
+    }
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2], &[1.0f32, 2.0]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .attr("scaling", OwnedAttr::scalar(1.0f32))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &LISTS, Stage::Execute);
+    assert!(
+        message
+            .contains("wrong type for attribute `scaling`: expected dictionary, got F32 scalar 1"),
+        "{message}"
+    );
+    assert_eq!(Reduce::from_value(7), Some(Reduce::Max));
+    assert_eq!((Reduce::Sum.value(), Reduce::VALUES.len()), (0, 2));
+}
+
+/// Optional before required: refused at decode with the rule.
+struct OutOfOrder;
+impl Bundle for OutOfOrder {
+    const TARGET: &'static str = "out_of_order";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for OutOfOrder {
+    type Args<'a> = (Option<AnyBuffer<'a>>, AnyBuffer<'a>);
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &NoState, _: &Context<'_>, _: Self::Args<'_>, (): (), (): ()) -> FfiResult<()> {
+        unreachable!("decoding refuses the signature")
+    }
+}
+const OUT_OF_ORDER: BundleDef = BundleDef::of::<OutOfOrder>().execute().build();
+
+#[test]
+fn a_signature_with_optional_before_required_is_refused() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &OUT_OF_ORDER, Stage::Execute);
+    assert!(
+        message.contains("the handler's arguments are declared out of order"),
+        "{message}"
+    );
+}
+
+/// Writes each result's index into it: any number of results.
+struct Many;
+impl Bundle for Many {
+    const TARGET: &'static str = "many";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for Many {
+    type Args<'a> = ();
+    type Rets<'a> = ResultList<'a>;
+    type Attrs<'a> = ();
+    fn execute(
+        _: &NoState,
+        _: &Context<'_>,
+        (): (),
+        mut rets: ResultList<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        for i in (0..rets.len()).rev() {
+            let r = rets.take(i).expect("each result once");
+            r.into_mut_slice::<i32>()?[0] = i as i32;
+            assert!(rets.take(i).is_none(), "taken twice");
+        }
+        assert!(rets.take(rets.len()).is_none());
+        Ok(())
+    }
+}
+const MANY: BundleDef = BundleDef::of::<Many>().execute().build();
+
+#[test]
+fn a_result_list_takes_any_number_of_results() {
+    let ctx = FakeContext::new();
+    for count in [0, 8, 9, 64, 65, 300] {
+        let mut b = FrameBuilder::new(Stage::Execute);
+        for _ in 0..count {
+            b = b.ret(OwnedBuffer::zeros(DataType::S32, &[1]));
+        }
+        let mut frame = b.build(&ctx);
+        frame.call(execute(&MANY)).unwrap();
+        for i in 0..count {
+            assert_eq!(frame.result(i).values::<i32>(), [i as i32]);
+        }
+    }
+    // Still validated together at decode: two results of one buffer.
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .ret(OwnedBuffer::zeros(DataType::S32, &[1]))
+        .ret(OwnedBuffer::zeros(DataType::S32, &[1]))
+        .build(&ctx);
+    frame.rets.raw[1].data = frame.rets.raw[0].data;
+    let (_, message) = call_err(&mut frame, &MANY, Stage::Execute);
+    assert!(message.contains("result 0 overlaps result 1"), "{message}");
+}
