@@ -160,6 +160,15 @@ USER_SCRIPT = textwrap.dedent("""
     except jax.errors.JaxRuntimeError as e:
         assert ("my_ops_scale: [execute] failed to decode the call frame: argument 0: expected F32 buffer "
                 "of rank 2, got F32 buffer of rank 3") in str(e), e
+
+    # The in-place target: acc updated over its own buffer; donated, the output is acc's buffer.
+    add = jax.ffi.ffi_call("my_ops_scale_add", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    step = jax.jit(lambda acc, x: add(acc, x, scale=2.0, row_len=np.int64(128)), donate_argnums=0)
+    acc = jnp.ones_like(x)
+    pointer = acc.unsafe_buffer_pointer()
+    out = step(acc, x)
+    assert out.unsafe_buffer_pointer() == pointer
+    np.testing.assert_allclose(out, 1.0 + x * (2.0 / np.arange(1, 129, dtype=np.float32)), rtol=1e-6)
     print("OK")
 """)
 
@@ -183,6 +192,6 @@ def test_the_wheel_installs_and_runs_without_rust(template_library, outside):
     result = subprocess.run([str(python), "-c", USER_SCRIPT, str(template_library)], capture_output=True,
                             text=True, timeout=600, env=env, cwd=outside)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
-    assert "registered ('my_ops_scale',)" in result.stdout and result.stdout.strip().endswith("OK"), result.stdout
+    assert "registered ('my_ops_scale', 'my_ops_scale_add')" in result.stdout and result.stdout.strip().endswith("OK"), result.stdout
     print(f"wheel {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB): venv and install {installed:.0f} s, "
           f"the session {time.monotonic() - start - installed:.0f} s")

@@ -10,16 +10,28 @@
 //! call = jax.ffi.ffi_call("my_ops_scale", jax.ShapeDtypeStruct(x.shape, x.dtype))
 //! y = call(x, scale=2.0, row_len=np.int64(x.shape[-1]))   # a float F32 holds exactly, or np.float32
 //! ```
+//!
+//! `my_ops_scale_add` updates a buffer in place with the same table: `acc[i, j] += x[i, j] *
+//! scale / (j + 1)`, its result being `acc`'s own buffer (`InPlaceBuffer` over an `AliasedArg`).
+//! Donated under `jit`, `acc` is updated without a copy:
+//!
+//! ```text
+//! add = jax.ffi.ffi_call("my_ops_scale_add", jax.ShapeDtypeStruct(acc.shape, acc.dtype),
+//!                        input_output_aliases={0: 0})
+//! step = jax.jit(lambda acc, x: add(acc, x, scale=2.0, row_len=np.int64(128)), donate_argnums=0)
+//! ```
 #![deny(unsafe_code)]
 
 use xla_ffi_bundles::ffi::{
-    Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, Instantiate, RankedBuffer,
-    RankedResult,
+    AliasedArg, Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host, InPlaceBuffer,
+    Instantiate, RankedBuffer, RankedResult,
 };
 use xla_ffi_bundles::state::LiveState;
 
 /// The custom-call target (namespaced: target names are process-wide).
 pub const TARGET: &str = "my_ops_scale";
+/// The in-place target.
+pub const ADD_TARGET: &str = "my_ops_scale_add";
 /// The state type's name in XLA's process-wide registry (namespaced likewise).
 pub const STATE_TYPE: &str = "my_ops.ScaleState";
 
@@ -55,6 +67,13 @@ impl Instantiate for Scale {
     type Attrs<'a> = ScaleAttrs;
 
     fn instantiate(_ctx: &Context<'_>, attrs: ScaleAttrs) -> FfiResult<ScaleState> {
+        ScaleState::new(TARGET, attrs)
+    }
+}
+
+impl ScaleState {
+    /// Validates the attributes and builds the table, for either target.
+    fn new(target: &'static str, attrs: ScaleAttrs) -> FfiResult<ScaleState> {
         if !attrs.scale.is_finite() {
             return Err(FfiError::attribute(
                 "scale",
@@ -70,7 +89,7 @@ impl Instantiate for Scale {
         let table = (0..attrs.row_len)
             .map(|j| attrs.scale / (j as f32 + 1.0))
             .collect();
-        let live = LiveState::register(TARGET, STATE_TYPE);
+        let live = LiveState::register(target, STATE_TYPE);
         // Shown in this state's entry of `rmsnorm_ffi.stats()["states"]`.
         live.set_detail("row_len", attrs.row_len.to_string());
         Ok(ScaleState { live, table })
@@ -111,4 +130,56 @@ impl Execute for Scale {
 /// The bundle as XLA registers it: the stages `Scale` implements.
 pub const SCALE: BundleDef = BundleDef::of::<Scale>().instantiate().execute().build();
 
-xla_ffi_bundles::export_library!(SCALE);
+/// The in-place bundle: the same state type, `acc += x * table` over `acc`'s buffer.
+pub struct ScaleAdd;
+
+impl Bundle for ScaleAdd {
+    const TARGET: &'static str = ADD_TARGET;
+    type Platform = Host;
+    type State = ScaleState;
+}
+
+impl Instantiate for ScaleAdd {
+    type Attrs<'a> = ScaleAttrs;
+
+    fn instantiate(_ctx: &Context<'_>, attrs: ScaleAttrs) -> FfiResult<ScaleState> {
+        ScaleState::new(ADD_TARGET, attrs)
+    }
+}
+
+impl Execute for ScaleAdd {
+    /// `acc` (no view of it here: it is read and written through the result) and `x`.
+    type Args<'a> = (AliasedArg<'a>, RankedBuffer<'a, f32, 2>);
+    /// `acc`'s own buffer; the call site aliases it (`input_output_aliases={0: 0}`).
+    type Rets<'a> = (InPlaceBuffer<'a, f32, 0>,);
+    type Attrs<'a> = ();
+
+    fn execute(
+        state: &ScaleState,
+        _ctx: &Context<'_>,
+        (acc, x): Self::Args<'_>,
+        (out,): Self::Rets<'_>,
+        (): (),
+    ) -> FfiResult<()> {
+        let n = state.table.len();
+        if acc.dims() != x.dims || x.dims[1] != n as i64 {
+            return Err(FfiError::invalid_argument(format!(
+                "acc has shape {:?} and x {:?}, but they must be the same, with rows of {n}",
+                acc.dims(),
+                x.dims
+            )));
+        }
+        state.live.record_execution();
+        for (ar, xr) in out.data.chunks_mut(n).zip(x.data.chunks(n)) {
+            for ((a, value), factor) in ar.iter_mut().zip(xr).zip(&state.table) {
+                *a += value * factor;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The in-place bundle as XLA registers it.
+pub const SCALE_ADD: BundleDef = BundleDef::of::<ScaleAdd>().instantiate().execute().build();
+
+xla_ffi_bundles::export_library!(SCALE, SCALE_ADD);
