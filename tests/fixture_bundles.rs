@@ -144,7 +144,7 @@ fn the_reverse_bundle_refuses_bad_attributes() {
 }
 
 #[test]
-fn the_fixture_library_exports_its_four_bundles() {
+fn the_fixture_library_exports_its_six_bundles() {
     // The table `export_library!` builds, read as register_library reads a loaded library's.
     let library =
         xla_ffi_bundles::ffi::library::read_own(testing::library_table(), "fixture").unwrap();
@@ -160,6 +160,8 @@ fn the_fixture_library_exports_its_four_bundles() {
             ("rmsnorm_ffi_testing_context", "cpu", 1, None),
             ("rmsnorm_ffi_testing_attrs", "cpu", 1, None),
             ("rmsnorm_ffi_testing_reverse", "cpu", 2, Some(1)),
+            ("rmsnorm_ffi_testing_lists", "cpu", 1, None),
+            ("rmsnorm_ffi_testing_async", "cpu", 2, Some(2)),
         ]
     );
     assert_eq!(

@@ -51,10 +51,13 @@ fn bundles() -> &'static [BundleDef] {
         all.extend([
             counter::COUNTER,
             scaled_copy::BUNDLE,
+            scaled_copy::EMA_BUNDLE,
             testing::STAGES_BUNDLE,
             testing::CONTEXT_BUNDLE,
             testing::ATTRS_BUNDLE,
             testing::REVERSE_BUNDLE,
+            testing::LISTS_BUNDLE,
+            testing::ASYNC_BUNDLE,
         ]);
         all
     })

@@ -24,9 +24,14 @@ TARGET = "rmsnorm_ffi_testing_reverse"
 SHAPES = [(8, 256), (16, 1024), (4, 4096), (64, 128), (1, 4000)]
 
 
+ASYNC_TARGET = "rmsnorm_ffi_testing_async"
+
+
 def reverse(x, *, scale: float, variant: str):
-    """``scale * x[..., ::-1]`` through the fixture, built in scratch rows by ``variant``."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    """``scale * x[..., ::-1]`` through the fixture, built in scratch rows by ``variant`` (the
+    ``async`` variants: the asynchronous bundle, completed on the library's worker threads)."""
+    target = ASYNC_TARGET if variant.startswith("async") else TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return call(x, row_len=np.int64(x.shape[-1]), scale=np.float32(scale), variant=variant)
 
 
@@ -52,6 +57,8 @@ POOLED = reverse_spec("pooled")
 SHARED_SCRATCH = reverse_spec("shared_scratch")
 HISTORY = reverse_spec("history")
 LEAKY = reverse_spec("leaky")
+ASYNC = reverse_spec("async")
+ASYNC_DROPPED = reverse_spec("async_dropped")
 
 
 # A planted leak for the churn's memory checks: our RMS norm spec, but every compile of `fn` (one

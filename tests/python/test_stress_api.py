@@ -93,6 +93,27 @@ def test_the_workspace_bundle_survives_and_stops_allocating(fixture_library, cap
     assert report.churn_rss_growth_mb <= report.control_rss_growth_mb + report.rss_slack_mb
 
 
+def test_an_async_bundle_survives_threads_and_churn(fixture_library, capsys):
+    # Every call completes on the library's worker threads after its handler returned: no lost
+    # completion (each result checked exactly), no state leaked through the churn.
+    report = stress_specs.ASYNC.run(threads=4, executables=3, calls=30, churn_cycles=30, progress=False)
+    out = capsys.readouterr().out
+    assert report.ok, out
+    assert report.targets == [stress_specs.ASYNC_TARGET]
+    assert report.mismatches == report.errors == report.states_leaked == 0
+    assert report.states_created == report.states_destroyed >= 33
+    assert report.executions == {stress_specs.ASYNC_TARGET: report.calls}
+
+
+def test_a_lost_async_completion_is_an_error_not_a_hang(fixture_library, capsys):
+    # Every 16th call is dropped without being completed: the call fails (the Pending's drop
+    # completes it with an error), the harness counts it, and nothing waits forever.
+    report = stress_specs.ASYNC_DROPPED.run(threads=2, executables=2, calls=20, churn=False, progress=False)
+    out = capsys.readouterr().out
+    assert not report.ok and report.errors > 0, out
+    assert any("dropped without being completed" in e for e in report.examples), report.examples
+
+
 def test_memory_leaked_per_executable_fails_the_rss_comparison(capsys):
     # Each compile keeps 4 MB that no registry sees (as a bundle leaking a buffer per
     # instantiate would); only the RSS comparison with the control can report it. The leak

@@ -185,6 +185,64 @@ impl<'a> Api<'a> {
     }
 }
 
+/// Futures: the completion of an execution that a handler finishes later (XLA's `ffi::Future`).
+impl Api<'_> {
+    /// A new pending future, owned by the runtime once a handler returns it in its call frame.
+    pub(crate) fn future_create(&self) -> FfiResult<*mut sys::XLA_FFI_Future> {
+        let create = api_fn!(self, XLA_FFI_Future_Create)?;
+        let mut args = sys::XLA_FFI_Future_Create_Args {
+            struct_size: sys::XLA_FFI_Future_Create_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            future: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call; the runtime writes the new future into it.
+        self.check("XLA_FFI_Future_Create", unsafe { create(&mut args) })?;
+        if args.future.is_null() {
+            return Err(FfiError::internal(
+                "XLA_FFI_Future_Create gave a null future",
+            ));
+        }
+        Ok(args.future)
+    }
+
+    /// Completes `future`: available, or failed with `error` (code and message).
+    ///
+    /// # Safety
+    /// `future` must come from [`Api::future_create`] of this runtime and not be completed yet;
+    /// it must not be used after this call.
+    pub(crate) unsafe fn future_complete(
+        &self,
+        future: *mut sys::XLA_FFI_Future,
+        error: Option<&FfiError>,
+        message: impl FnOnce(&FfiError) -> String,
+    ) -> FfiResult<()> {
+        match error {
+            None => {
+                let set = api_fn!(self, XLA_FFI_Future_SetAvailable)?;
+                let mut args = sys::XLA_FFI_Future_SetAvailable_Args {
+                    struct_size: sys::XLA_FFI_Future_SetAvailable_Args::STRUCT_SIZE,
+                    extension_start: ptr::null_mut(),
+                    future,
+                };
+                // SAFETY: a pending future of this runtime (caller's contract).
+                self.check("XLA_FFI_Future_SetAvailable", unsafe { set(&mut args) })
+            }
+            Some(e) => {
+                let set = api_fn!(self, XLA_FFI_Future_SetError)?;
+                let mut args = sys::XLA_FFI_Future_SetError_Args {
+                    struct_size: sys::XLA_FFI_Future_SetError_Args::STRUCT_SIZE,
+                    extension_start: ptr::null_mut(),
+                    future,
+                    // The runtime takes ownership of the error.
+                    error: self.create_error_raw(e.code(), &message(e)),
+                };
+                // SAFETY: as above.
+                self.check("XLA_FFI_Future_SetError", unsafe { set(&mut args) })
+            }
+        }
+    }
+}
+
 /// Copies a NUL-terminated C string, or says that there was none.
 fn c_string(ptr: *const c_char) -> String {
     if ptr.is_null() {

@@ -720,6 +720,11 @@ impl<'a, P: Platform> RetsView<'a, P> {
         unsafe { AnyBuffer::from_raw(item, Operand::Result(index)) }
     }
 
+    /// Checks the layout of the `index`th result (not its overlaps), handing nothing out.
+    pub(crate) fn validate(&self, index: usize) -> Result<(), String> {
+        self.buffer(index).map(|_| ())
+    }
+
     /// The `index`th result, validated and checked not to overlap any argument or other result.
     ///
     /// Taking the same result twice is prevented by the decoders, which take each index once.

@@ -134,7 +134,7 @@ pub trait Execute: Bundle {
     ) -> FfiResult<()>;
 }
 
-const fn info<B: Bundle>(stage: Stage) -> HandlerInfo {
+pub(crate) const fn info<B: Bundle>(stage: Stage) -> HandlerInfo {
     HandlerInfo {
         target: B::TARGET,
         stage,
@@ -258,7 +258,7 @@ impl BundleDef {
 
 /// Collects the stages of `B`; each method exists only if `B` implements that stage.
 pub struct BundleBuilder<B: Bundle> {
-    handlers: sys::XLA_FFI_Handler_Bundle,
+    pub(crate) handlers: sys::XLA_FFI_Handler_Bundle,
     _bundle: PhantomData<B>,
 }
 

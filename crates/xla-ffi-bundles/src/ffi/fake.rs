@@ -411,10 +411,64 @@ unsafe extern "C" fn free(args: *mut XLA_FFI_DeviceMemory_Free_Args) -> *mut XLA
     }
 }
 
-unsafe extern "C" fn unsupported_future(
-    _args: *mut XLA_FFI_Future_Create_Args,
+/// A future of the fake runtime: the outcome, set once, and a condition to wait on.
+struct FakeFuture {
+    outcome: parking_lot::Mutex<Option<Result<(), (ErrorCode, String)>>>,
+    done: parking_lot::Condvar,
+}
+
+unsafe extern "C" fn future_create(args: *mut XLA_FFI_Future_Create_Args) -> *mut XLA_FFI_Error {
+    let future = std::sync::Arc::new(FakeFuture {
+        outcome: parking_lot::Mutex::new(None),
+        done: parking_lot::Condvar::new(),
+    });
+    // SAFETY: valid args. The runtime's reference, taken back by the frame that waits on it
+    // (`BuiltFrame::call`); a completion holds one of its own while it runs.
+    unsafe { (*args).future = std::sync::Arc::into_raw(future).cast_mut().cast() };
+    ptr::null_mut()
+}
+
+/// Completes a fake future; a second completion is an error, as it is a bug.
+fn complete_future(
+    future: *mut XLA_FFI_Future,
+    outcome: Result<(), (ErrorCode, String)>,
 ) -> *mut XLA_FFI_Error {
-    make_error(ErrorCode::Unimplemented, "the fake runtime has no futures")
+    if future.is_null() {
+        return make_error(ErrorCode::InvalidArgument, "null future");
+    }
+    let raw = future.cast::<FakeFuture>().cast_const();
+    // SAFETY: made by `future_create`; the waiting frame's reference lives until the outcome is
+    // set (below), so the count is at least 1 here. This completion takes one of its own, so
+    // that the waiter may drop its reference as soon as it wakes.
+    let future = unsafe {
+        std::sync::Arc::increment_strong_count(raw);
+        std::sync::Arc::from_raw(raw)
+    };
+    let mut slot = future.outcome.lock();
+    if slot.is_some() {
+        return make_error(ErrorCode::FailedPrecondition, "future completed twice");
+    }
+    *slot = Some(outcome);
+    future.done.notify_all();
+    ptr::null_mut()
+}
+
+unsafe extern "C" fn future_set_available(
+    args: *mut XLA_FFI_Future_SetAvailable_Args,
+) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args.
+    complete_future(unsafe { (*args).future }, Ok(()))
+}
+
+unsafe extern "C" fn future_set_error(
+    args: *mut XLA_FFI_Future_SetError_Args,
+) -> *mut XLA_FFI_Error {
+    // SAFETY: valid args; the runtime takes ownership of the error, as XLA's does.
+    let error = take_result(unsafe { (*args).error });
+    match error {
+        Err(e) => complete_future(unsafe { (*args).future }, Err(e)),
+        Ok(()) => make_error(ErrorCode::InvalidArgument, "Error must not be null or OK"),
+    }
 }
 
 unsafe extern "C" fn unsupported_ctx_get(
@@ -462,9 +516,9 @@ fn build_api() -> XLA_FFI_Api {
         XLA_FFI_DeviceMemory_Free: Some(free),
         XLA_FFI_ThreadPool_Schedule: Some(schedule),
         XLA_FFI_ThreadPool_NumThreads: Some(num_threads),
-        XLA_FFI_Future_Create: Some(unsupported_future),
-        XLA_FFI_Future_SetAvailable: None,
-        XLA_FFI_Future_SetError: None,
+        XLA_FFI_Future_Create: Some(future_create),
+        XLA_FFI_Future_SetAvailable: Some(future_set_available),
+        XLA_FFI_Future_SetError: Some(future_set_error),
         XLA_FFI_RunId_Get: Some(run_id_get),
         XLA_FFI_DeviceOrdinal_Get: Some(device_ordinal_get),
     }
@@ -787,11 +841,28 @@ pub struct BuiltFrame {
 }
 
 impl BuiltFrame {
-    /// Calls `handler` with this frame.
+    /// Calls `handler` with this frame; if the handler returned a future (an asynchronous
+    /// call), waits for it as XLA does and gives its outcome.
     pub fn call(&mut self, handler: XLA_FFI_Handler) -> Result<(), (ErrorCode, String)> {
+        self.frame.future = ptr::null_mut();
         // SAFETY: the frame and all it points to are alive and laid out as XLA does (or as
         // deliberately broken by the test, which the handler must survive).
-        take_result(unsafe { handler(self.frame.as_mut()) })
+        let result = take_result(unsafe { handler(self.frame.as_mut()) });
+        let future = std::mem::replace(&mut self.frame.future, ptr::null_mut());
+        if future.is_null() {
+            return result;
+        }
+        assert!(
+            result.is_ok(),
+            "a handler returned both an error and a future: {result:?}"
+        );
+        // SAFETY: made by `future_create`: the runtime's reference, taken back once.
+        let future = unsafe { std::sync::Arc::from_raw(future.cast::<FakeFuture>().cast_const()) };
+        let mut slot = future.outcome.lock();
+        while slot.is_none() {
+            future.done.wait(&mut slot);
+        }
+        slot.take().expect("completed")
     }
 
     /// The `index`th result after the call (an in-place result's argument buffer).

@@ -14,6 +14,7 @@ use super::sys;
 /// One call frame, checked to be at least as large as the struct this crate knows. Only the
 /// fields up to `attrs` (the header's `STRUCT_SIZE`) are ever read.
 pub struct Frame<'a> {
+    raw: *mut sys::XLA_FFI_CallFrame,
     stage: sys::XLA_FFI_ExecutionStage,
     args: &'a sys::XLA_FFI_Args,
     rets: &'a sys::XLA_FFI_Rets,
@@ -31,6 +32,7 @@ impl<'a> Frame<'a> {
             let stage = ptr::addr_of!((*raw).stage).read();
             let ctx = ptr::addr_of!((*raw).ctx).read();
             Frame {
+                raw,
                 stage,
                 args: &*ptr::addr_of!((*raw).args),
                 rets: &*ptr::addr_of!((*raw).rets),
@@ -42,6 +44,23 @@ impl<'a> Frame<'a> {
 
     pub(crate) fn stage_raw(&self) -> sys::XLA_FFI_ExecutionStage {
         self.stage
+    }
+
+    /// The raw argument and result lists, for a call completed after its handler returns
+    /// (`pending`), which copies them: XLA reuses the frame once the handler returns.
+    pub(crate) fn raw_lists(&self) -> (&'a sys::XLA_FFI_Args, &'a sys::XLA_FFI_Rets) {
+        (self.args, self.rets)
+    }
+
+    /// Hands `future` to the runtime as this call's completion (the frame's `future` field).
+    ///
+    /// # Safety
+    /// The runtime's API table must provide futures (then its call frame has the field, which
+    /// lies past the `struct_size` it announces); the handler must then return no error.
+    pub(crate) unsafe fn set_future(&self, future: *mut sys::XLA_FFI_Future) {
+        // SAFETY: the frame is XLA's, writable for the call, and has the field (caller's
+        // contract); the handler writes it as ffi.h's encoding of `ffi::Future` does.
+        unsafe { ptr::addr_of_mut!((*self.raw).future).write(future) }
     }
 
     /// The execution context of this call.

@@ -20,7 +20,8 @@
 //! 7. [`frame`] (a validated call frame and its decoding) and [`parallel`] (loops on XLA's pool).
 //! 8. [`metadata`]: the registration-time answer, and what a handler declares about itself.
 //! 9. [`trampoline`]: the handler entry every `extern "C"` handler goes through.
-//! 10. [`bundle`]: stage traits, the generic entries, bundle declarations.
+//! 10. [`bundle`]: stage traits, the generic entries, bundle declarations, then [`pending`]
+//!     (the execute stage of bundles that complete their calls later).
 //! 11. [`export`] (a library's table of bundles and state types), then [`library`] (loading and
 //!     checking another library's table), then `capsule` (PyCapsules, feature `python`).
 //!
@@ -45,6 +46,7 @@ pub mod library;
 pub mod metadata;
 pub mod panic;
 pub mod parallel;
+pub mod pending;
 pub mod platform;
 pub mod stage;
 pub mod sys;
@@ -64,6 +66,7 @@ pub use bundle::{
 pub use context::{Context, Stream};
 pub use dtype::{DataType, NativeType};
 pub use error::{DecodeErrors, ErrorCode, FfiError, FfiResult};
+pub use pending::{ExecuteAsync, Pending};
 pub use platform::{Cuda, Device, Host, Platform};
 pub use stage::Stage;
 pub use types::{StateType, StateTypeRegistration};

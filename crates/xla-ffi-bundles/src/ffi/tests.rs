@@ -1619,3 +1619,130 @@ fn a_result_list_takes_any_number_of_results() {
     let (_, message) = call_err(&mut frame, &MANY, Stage::Execute);
     assert!(message.contains("result 0 overlaps result 1"), "{message}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous execution
+// ---------------------------------------------------------------------------------------------
+
+crate::ffi_attrs! {
+    struct AsyncAttrs {
+        scale: f32,
+        /// 0: completed on another thread; 1: failed in start; 2: panics in the completion;
+        /// 3: dropped on another thread; 4: panics in start; 5: completed in start.
+        mode: i64,
+    }
+}
+
+/// `y = x * scale`, computed after the handler returned.
+struct AsyncScale;
+impl Bundle for AsyncScale {
+    const TARGET: &'static str = "async_scale";
+    type Platform = Host;
+    type State = NoState;
+}
+impl pending::ExecuteAsync for AsyncScale {
+    type Args<'a> = (Buffer<'a, f32>,);
+    type Rets<'a> = (ResultBuffer<'a, f32>,);
+    type Attrs<'a> = AsyncAttrs;
+    fn start(_: &NoState, _: &Context<'_>, attrs: AsyncAttrs, call: Pending<Self>) {
+        let scale = attrs.scale;
+        let work = move |(x,): (Buffer<'_, f32>,), (y,): (ResultBuffer<'_, f32>,)| {
+            if attrs.mode == 2 {
+                panic!("deliberate panic in a completion");
+            }
+            for (o, v) in y.data.iter_mut().zip(x.data) {
+                *o = v * scale;
+            }
+            Ok(())
+        };
+        match attrs.mode {
+            1 => call.fail(FfiError::attribute("scale", "refused by start")),
+            3 => drop(std::thread::spawn(move || drop(call))),
+            4 => panic!("deliberate panic in start"),
+            5 => call.complete(work),
+            _ => drop(std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                call.complete(work)
+            })),
+        }
+    }
+}
+const ASYNC_SCALE: BundleDef = BundleDef::of::<AsyncScale>().execute_async().build();
+
+fn async_frame(x: &[f32], y_len: i64, mode: i64) -> FrameBuilder {
+    FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[x.len() as i64], x))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[y_len]))
+        .attr("scale", OwnedAttr::scalar(3.0f32))
+        .attr("mode", OwnedAttr::scalar(mode))
+}
+
+#[test]
+fn an_async_call_completes_after_its_handler_returned() {
+    let ctx = FakeContext::new();
+    for mode in [0, 5] {
+        let mut frame = async_frame(&[1.0, 2.0, 3.0], 3, mode).build(&ctx);
+        frame.call(execute(&ASYNC_SCALE)).unwrap();
+        assert_eq!(frame.result(0).values::<f32>(), [3.0, 6.0, 9.0]);
+    }
+    // Many at once from many threads, each its own frame.
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let ctx = &ctx;
+            s.spawn(move || {
+                for i in 0..20 {
+                    let x = [t as f32, i as f32];
+                    let mut frame = async_frame(&x, 2, 0).build(ctx);
+                    frame.call(execute(&ASYNC_SCALE)).unwrap();
+                    assert_eq!(frame.result(0).values::<f32>(), [x[0] * 3.0, x[1] * 3.0]);
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn an_async_calls_errors_come_back_through_its_future() {
+    let ctx = FakeContext::new();
+    let expect = |mode: i64, y_len: i64, expected: &str| {
+        let mut frame = async_frame(&[1.0, 2.0], y_len, mode).build(&ctx);
+        let (_, message) = call_err(&mut frame, &ASYNC_SCALE, Stage::Execute);
+        assert!(
+            message.contains(expected),
+            "mode {mode}: {expected:?} not in {message}"
+        );
+    };
+    expect(
+        1,
+        2,
+        "async_scale: [execute, completion] invalid attribute `scale`: refused by start",
+    );
+    expect(
+        2,
+        2,
+        "panic in async_scale [execute, completion]: deliberate panic in a completion",
+    );
+    expect(3, 2, "dropped without being completed");
+    expect(4, 2, "dropped without being completed");
+    // Decoding happens in the completion, with the usual messages.
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[2], &[1i32, 2]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[2]))
+        .attr("scale", OwnedAttr::scalar(3.0f32))
+        .attr("mode", OwnedAttr::scalar(0i64))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &ASYNC_SCALE, Stage::Execute);
+    assert!(
+        message.contains("[execute, completion] failed to decode the call frame")
+            && message.contains("wrong dtype for argument 0: expected F32, got S32"),
+        "{message}"
+    );
+    // An attribute error is the handler's own, before any future.
+    let mut frame = FrameBuilder::new(Stage::Execute)
+        .arg(OwnedBuffer::from_values(&[1], &[1.0f32]))
+        .ret(OwnedBuffer::zeros(DataType::F32, &[1]))
+        .attr("scale", OwnedAttr::scalar(3.0f32))
+        .build(&ctx);
+    let (_, message) = call_err(&mut frame, &ASYNC_SCALE, Stage::Execute);
+    assert!(message.contains("missing attribute `mode`"), "{message}");
+}
