@@ -316,26 +316,34 @@ impl<P: Platform> fmt::Debug for AnyResult<'_, P> {
     }
 }
 
+/// The accessors of a wrapper around one validated buffer (`self.$($field).+`), which gives its
+/// description but no view of its data.
+macro_rules! describe_buffer {
+    ($($field:ident).+) => {
+        /// The dtype of the elements.
+        pub fn dtype(&self) -> DataType {
+            self.$($field).+.dtype
+        }
+
+        /// The dimensions (empty for a scalar).
+        pub fn dims(&self) -> &'a [i64] {
+            self.$($field).+.dims
+        }
+
+        /// The number of elements: the product of the dimensions.
+        pub fn element_count(&self) -> usize {
+            self.$($field).+.element_count
+        }
+
+        /// Which argument or result this is, for messages.
+        pub fn operand(&self) -> Operand {
+            self.$($field).+.operand
+        }
+    };
+}
+
 impl<'a, P: Platform> AnyResult<'a, P> {
-    /// The dtype of the elements.
-    pub fn dtype(&self) -> DataType {
-        self.buffer.dtype
-    }
-
-    /// The dimensions (empty for a scalar).
-    pub fn dims(&self) -> &'a [i64] {
-        self.buffer.dims
-    }
-
-    /// The number of elements: the product of the dimensions.
-    pub fn element_count(&self) -> usize {
-        self.buffer.element_count
-    }
-
-    /// Which result this is, for messages.
-    pub fn operand(&self) -> Operand {
-        self.buffer.operand
-    }
+    describe_buffer!(buffer);
 }
 
 impl<P: Device> AnyResult<'_, P> {
@@ -471,25 +479,7 @@ pub struct AliasedArg<'a, P: Platform = Host> {
 }
 
 impl<'a, P: Platform> AliasedArg<'a, P> {
-    /// The dtype of the elements.
-    pub fn dtype(&self) -> DataType {
-        self.buffer.dtype
-    }
-
-    /// The dimensions (empty for a scalar).
-    pub fn dims(&self) -> &'a [i64] {
-        self.buffer.dims
-    }
-
-    /// The number of elements.
-    pub fn element_count(&self) -> usize {
-        self.buffer.element_count
-    }
-
-    /// Which argument this is, for messages.
-    pub fn operand(&self) -> Operand {
-        self.buffer.operand
-    }
+    describe_buffer!(buffer);
 }
 
 impl<P: Platform> fmt::Debug for AliasedArg<'_, P> {
@@ -516,25 +506,7 @@ impl<'a, const ARG: usize, P: Platform> InPlace<'a, ARG, P> {
     /// The argument this result aliases.
     pub const ARGUMENT: usize = ARG;
 
-    /// The dtype of the elements (the argument's).
-    pub fn dtype(&self) -> DataType {
-        self.result.dtype()
-    }
-
-    /// The dimensions (the argument's).
-    pub fn dims(&self) -> &'a [i64] {
-        self.result.dims()
-    }
-
-    /// The number of elements.
-    pub fn element_count(&self) -> usize {
-        self.result.element_count()
-    }
-
-    /// Which result this is, for messages.
-    pub fn operand(&self) -> Operand {
-        self.result.operand()
-    }
+    describe_buffer!(result.buffer);
 
     /// The result, as any other: its device address or writable views.
     pub fn into_result(self) -> AnyResult<'a, P> {
