@@ -94,7 +94,7 @@ from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual  # noqa:
 # many tokens x heads, as per-head query/key norms take them.
 SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128),
           (1408, 64), (8192, 64), (16384, 128)]
-DTYPES = ["float32", "bfloat16"]
+DTYPES = ["float32", "bfloat16", "float16"]
 SHARDED_SHAPES = [(1024, 4096), (16384, 1024)]  # float32; rows divisible by the devices
 SHARDED_QUICK = [(256, 1024)]
 

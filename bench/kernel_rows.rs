@@ -2,15 +2,18 @@
 //! backward (with a weight and its gradient) at a few row lengths, so per-row costs can be
 //! profiled (`perf record`) without the call frame, the thread pool or Python around them.
 //!
-//!     cargo run --release --example kernel_rows [-- ROWSxN ...]
+//!     cargo run --release --example kernel_rows [-- [f32|bf16|f16] ROWSxN ...]
+//!
+//! x, y and dy are of the dtype named (float32 by default); the weight is float32.
 //!
 //! Each shape is timed as the median of 15 runs of enough calls for ~20 ms, x and the outputs
 //! warm in cache (as the narrow rows of a training step are).
 
 use std::time::Instant;
 
+use half::{bf16, f16};
 use rmsnorm_ffi::handlers::cpu::{backward_chunk, forward_chunk, simd::Kernel};
-use rmsnorm_ffi::handlers::math::Rstd;
+use rmsnorm_ffi::handlers::math::{Element, Rstd};
 
 fn median_ns_per_row(rows: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -34,7 +37,23 @@ fn median_ns_per_row(rows: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let dtype = match args.first().map(String::as_str) {
+        Some(d @ ("f32" | "bf16" | "f16")) => {
+            let d = d.to_string();
+            args.remove(0);
+            d
+        }
+        _ => "f32".to_string(),
+    };
+    match dtype.as_str() {
+        "bf16" => rows_of::<bf16>(&args, &dtype),
+        "f16" => rows_of::<f16>(&args, &dtype),
+        _ => rows_of::<f32>(&args, &dtype),
+    }
+}
+
+fn rows_of<T: Element>(args: &[String], dtype: &str) {
     let shapes: Vec<(usize, usize)> = if args.is_empty() {
         vec![
             (1408, 64),
@@ -53,21 +72,21 @@ fn main() {
     };
     let kernel = Kernel::detect();
     println!(
-        "kernel {}, one thread, ns per row (median of 15)",
+        "kernel {}, x {dtype}, one thread, ns per row (median of 15)",
         kernel.name()
     );
     for (rows, n) in shapes {
-        let x: Vec<f32> = (0..rows * n)
-            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        let x: Vec<T> = (0..rows * n)
+            .map(|i| T::from_f32(((i * 7919) % 1000) as f32 / 500.0 - 1.0))
             .collect();
         let w: Vec<f32> = (0..n).map(|i| 1.0 + (i % 13) as f32 / 100.0).collect();
-        let mut y = vec![0f32; rows * n];
+        let mut y = vec![T::default(); rows * n];
         let mut rstd = vec![0f32; rows];
         let fwd = median_ns_per_row(rows, || {
             kernel.run(
                 #[inline(always)]
                 || {
-                    forward_chunk::<f32, f32, f32>(
+                    forward_chunk::<T, f32, f32>(
                         kernel,
                         &x,
                         n,
@@ -84,19 +103,19 @@ fn main() {
                 #[inline(always)]
                 || {
                     for (o, &v) in y.iter_mut().zip(&x) {
-                        *o = v * 1.5;
+                        *o = T::from_f32(v.to_f32() * 1.5);
                     }
                 },
             )
         });
-        let mut dx = vec![0f32; rows * n];
+        let mut dx = vec![T::default(); rows * n];
         let mut acc = vec![0f64; n];
         let bwd = median_ns_per_row(rows, || {
             acc.fill(0.0);
             kernel.run(
                 #[inline(always)]
                 || {
-                    backward_chunk::<f32, f32, f32>(
+                    backward_chunk::<T, f32, f32>(
                         kernel,
                         &x,
                         &y,
