@@ -20,6 +20,10 @@
 //!   closure is caught and becomes the call's error;
 //! - a call is completed exactly once: `complete` and `fail` consume the `Pending`.
 //!
+//! Cost: each call allocates its `Pending` (the copies of the lists: a few small vectors), unlike
+//! a synchronous execute, which allocates nothing; a bundle whose calls are short should stay
+//! synchronous.
+//!
 //! What it cannot see: a `Pending` that is kept forever (leaked, or held by a thread that never
 //! runs it) leaves its execution waiting forever.
 //!
