@@ -26,7 +26,9 @@ def test_bench_quick_run(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["evicted_bytes"] == 0 and results["evictions"] == 0
     rows = results["rows"]
-    assert len(rows) == 4
+    # --quick: two shapes in each of the three dtypes.
+    assert sorted((tuple(r["shape"]), r["dtype"]) for r in rows) == sorted(
+        (shape, dtype) for shape in ((8, 128), (64, 256)) for dtype in ("float32", "bfloat16", "float16"))
     for row in rows:
         for key in VARIANTS:
             assert row[key] > 0
