@@ -163,6 +163,16 @@ fn contract(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         pairs.append(d)?;
     }
     out.set_item("dtype_pairs", pairs)?;
+    // Each norm's `norm` attribute and its statistics, in the order the targets take them.
+    let norms = PyDict::new(py);
+    for (value, name) in op_contract::Norm::VALUES {
+        let norm = op_contract::Norm::from_value(*value).expect("a listed value");
+        let d = PyDict::new(py);
+        d.set_item("value", *value as i64)?;
+        d.set_item("statistics", norm.statistics().to_vec())?;
+        norms.set_item(name.to_ascii_lowercase(), d)?;
+    }
+    out.set_item("norms", norms)?;
     Ok(out)
 }
 

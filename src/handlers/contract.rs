@@ -21,6 +21,36 @@ pub const RESIDUAL_TARGET: &str = "rmsnorm_residual_fwd";
 /// Every target, in registration order (the CPU has all three, CUDA the first two).
 pub const TARGETS: [&str; 3] = [FORWARD_TARGET, BACKWARD_TARGET, RESIDUAL_TARGET];
 
+xla_ffi_bundles::ffi_int_enum! {
+    /// Which norm a call computes: the kind is a parameter of every target (their attribute
+    /// `norm`; absent, the form every call had before LayerNorm, the RMS norm), so both norms
+    /// share the operand checks, the dtype pairs, the thread plans and the partitioning rules.
+    pub enum Norm {
+        /// `x * rstd * w`, `rstd = 1 / sqrt(mean(x^2) + eps)`: statistics `(rstd,)`.
+        Rms = 0,
+        /// `(x - mean) * rstd * w + b`, `rstd = 1 / sqrt(var(x) + eps)`: statistics
+        /// `(mean, rstd)`, and an optional bias.
+        Layer = 1,
+    }
+}
+
+impl Norm {
+    /// The per-row statistics a forward returns after y (and h), in order, and a backward that
+    /// is given them takes before dy; each in the accumulation dtype, shaped like x without its
+    /// last axis.
+    pub const fn statistics(self) -> &'static [&'static str] {
+        match self {
+            Norm::Rms => &["rstd"],
+            Norm::Layer => &["mean", "rstd"],
+        }
+    }
+
+    /// Whether the norm subtracts the row's mean (and may add a bias).
+    pub const fn centred(self) -> bool {
+        matches!(self, Norm::Layer)
+    }
+}
+
 /// Longest row (normalized axis) accepted: keeps workspaces and the GPU scratch bounded.
 pub const MAX_ROW_LEN: i64 = 1 << 26;
 

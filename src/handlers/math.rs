@@ -24,6 +24,8 @@
 //! Every function here is `#[inline(always)]`: it is compiled into the caller's SIMD context
 //! (see `cpu::simd`).
 
+pub mod layer;
+
 use std::ops::{Add, Div, Mul, Sub};
 
 use half::{bf16, f16};

@@ -3,7 +3,7 @@
 //! arguments and results must have, checked against those attributes and the op contract
 //! ([`super::contract`]). Every check names the attribute or operand it rejects.
 
-use super::contract::{self, DtypePair};
+use super::contract::{self, DtypePair, Norm};
 use super::error::HandlerError;
 use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, Platform, ResultList,
@@ -24,6 +24,11 @@ xla_ffi_bundles::ffi_attrs! {
         /// Gemma's `1 + w`), taken in the accumulation dtype; finite. Absent (the form every
         /// call had before it existed): `w`.
         pub scale_offset: Option<f32>,
+        /// The norm (`contract::Norm`'s values); absent: the RMS norm.
+        pub norm: Option<Norm>,
+        /// Present and true (LayerNorm only): the argument after the weight (or x) is a bias
+        /// added to y, shaped and typed as a weight. Absent: false.
+        pub has_bias: Option<bool>,
     }
 }
 
@@ -46,7 +51,30 @@ xla_ffi_bundles::ffi_attrs! {
         /// (the fused residual add's backward, where `h = x + residual` flows on to later
         /// layers too). Absent: false.
         pub has_dh: Option<bool>,
+        /// As the forward's. A LayerNorm backward is given the forward's `mean` and `rstd`
+        /// (or, with `eps`, takes both from x).
+        pub norm: Option<Norm>,
+        /// Present and true (LayerNorm only): the call has one more result after dweight (or
+        /// dx), the bias's gradient. Absent: false.
+        pub has_bias: Option<bool>,
     }
+}
+
+/// The norm and whether it has a bias, from the attributes `norm` and `has_bias`: a bias only
+/// with LayerNorm.
+pub fn check_norm(
+    norm: Option<Norm>,
+    has_bias: Option<bool>,
+) -> Result<(Norm, bool), HandlerError> {
+    let norm = norm.unwrap_or(Norm::Rms);
+    let has_bias = has_bias == Some(true);
+    if has_bias && !norm.centred() {
+        return Err(HandlerError::attribute(
+            "has_bias",
+            "a bias is LayerNorm's (norm=1); the RMS norm has none",
+        ));
+    }
+    Ok((norm, has_bias))
 }
 
 /// `scale_offset`: finite; `None` for an absent or zero offset (then the weight is `w` itself).
@@ -134,15 +162,25 @@ fn check_weight<P: Platform>(
     x: &AnyBuffer<'_, P>,
     w: &AnyBuffer<'_, P>,
 ) -> Result<usize, HandlerError> {
-    if DtypePair::of(x.dtype(), Some(w.dtype())).is_none() {
+    check_weight_like(x, w.operand(), w.dtype(), w.dims())
+}
+
+/// [`check_weight`] for any operand shaped and typed as a weight (a bias, a bias's gradient).
+fn check_weight_like<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    operand: Operand,
+    dtype: DataType,
+    wd: &[i64],
+) -> Result<usize, HandlerError> {
+    if DtypePair::of(x.dtype(), Some(dtype)).is_none() {
         let accepted = contract::weight_dtypes(x.dtype());
-        return Err(HandlerError::dtype(w.operand(), &accepted, w.dtype()));
+        return Err(HandlerError::dtype(operand, &accepted, dtype));
     }
-    let (xd, wd) = (x.dims(), w.dims());
+    let xd = x.dims();
     let k = wd.len().wrapping_sub(1);
     if wd.is_empty() || k >= xd.len() || wd[k] != xd[xd.len() - 1] || wd[..k] != xd[..k] {
         return Err(HandlerError::shape(
-            w.operand(),
+            operand,
             format!(
                 "expected (n,) with n = {} (or x's leading batch dims then n), got {wd:?}",
                 xd[xd.len() - 1]
@@ -170,13 +208,38 @@ fn x_and_weight<'a, P: Platform>(
     let x = args.get(0)?;
     let (rows, n) = check_x(&x, row_len)?;
     let w = if has_weight { Some(args.get(1)?) } else { None };
-    let groups = match &w {
-        Some(w) => check_weight(&x, w)?,
+    let (pair, layout) = pair_and_layout(&x, w.as_ref(), rows, n)?;
+    Ok((x, w, pair, layout))
+}
+
+/// The contract's pair and the layout of a call with x and a weight-shaped operand (the weight,
+/// else the bias or its gradient), checked.
+fn pair_and_layout<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    w: Option<&AnyBuffer<'_, P>>,
+    rows: usize,
+    n: usize,
+) -> FfiResult<(DtypePair, Layout)> {
+    let groups = match w {
+        Some(w) => check_weight(x, w)?,
         None => 1,
     };
-    let pair = DtypePair::of(x.dtype(), w.as_ref().map(|w| w.dtype()))
+    let pair = DtypePair::of(x.dtype(), w.map(|w| w.dtype()))
         .ok_or_else(|| FfiError::internal("the checked dtypes have no pair in the contract"))?;
-    Ok((x, w, pair, Layout { rows, n, groups }))
+    Ok((pair, Layout { rows, n, groups }))
+}
+
+/// A bias (argument `index`): the weight's dtype and shape where there is a weight, else shaped
+/// and typed as a weight would be (then it sets the pair and the layout, as a weight would).
+fn check_bias<P: Platform>(
+    x: &AnyBuffer<'_, P>,
+    w: Option<&AnyBuffer<'_, P>>,
+    b: &AnyBuffer<'_, P>,
+) -> Result<(), HandlerError> {
+    match w {
+        Some(w) => expect(b.operand(), b.dtype(), b.dims(), w.dtype(), w.dims()),
+        None => check_weight(x, b).map(|_| ()),
+    }
 }
 
 fn expect(
@@ -215,53 +278,111 @@ fn count(what: &str, got: usize, want: usize) -> FfiResult<()> {
     Ok(())
 }
 
-/// The checked operands of one `rmsnorm_fwd` call: x, the optional weight, y and rstd.
+/// Which operands a forward call has.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardForm {
+    pub norm: Norm,
+    pub has_weight: bool,
+    pub has_bias: bool,
+    pub row_len: usize,
+}
+
+impl ForwardForm {
+    /// An RMS norm's (no bias).
+    pub fn rms(has_weight: bool, row_len: usize) -> ForwardForm {
+        ForwardForm {
+            norm: Norm::Rms,
+            has_weight,
+            has_bias: false,
+            row_len,
+        }
+    }
+
+    /// The arguments after x (and the residual).
+    fn params(&self) -> usize {
+        self.has_weight as usize + self.has_bias as usize
+    }
+}
+
+/// The checked operands of one `rmsnorm_fwd` call: x, the optional weight and bias, y and the
+/// statistics (LayerNorm's mean, rstd).
 pub struct ForwardOperands<'a, 'r, P: Platform> {
     pub x: AnyBuffer<'a, P>,
     pub w: Option<AnyBuffer<'a, P>>,
+    pub b: Option<AnyBuffer<'a, P>>,
     pub y: AnyResult<'r, P>,
+    /// LayerNorm's mean (`None` for the RMS norm).
+    pub mean: Option<AnyResult<'r, P>>,
     pub rstd: AnyResult<'r, P>,
     /// The contract's pair for x's and the weight's dtypes.
     pub pair: DtypePair,
     pub layout: Layout,
 }
 
-/// Decodes and checks a forward call: counts, x and weight against the attributes, y of x's
-/// dtype and shape, rstd of the accumulator dtype and x's leading shape.
+/// Decodes and checks a forward call: counts, x, weight and bias against the attributes, y of
+/// x's dtype and shape, the statistics of the accumulator dtype and x's leading shape.
 pub fn forward_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
-    has_weight: bool,
-    row_len: usize,
+    form: ForwardForm,
 ) -> FfiResult<ForwardOperands<'a, 'r, P>> {
-    count("arguments", args.len(), 1 + has_weight as usize)?;
-    count("results", rets.len(), 2)?;
-    let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
-    let (y, rstd) = (result(rets, 0)?, result(rets, 1)?);
-    check_forward_results(&x, &y, &rstd, pair)?;
+    count("arguments", args.len(), 1 + form.params())?;
+    count("results", rets.len(), 1 + form.norm.statistics().len())?;
+    let x = args.get(0)?;
+    let (rows, n) = check_x(&x, form.row_len)?;
+    forward_rest(args, rets, form, x, (rows, n), 1, 1)
+}
+
+/// The rest of a forward call after x (and the residual): the weight and bias from argument
+/// `arg`, y (result 0) and the statistics from result `stat`.
+fn forward_rest<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
+    form: ForwardForm,
+    x: AnyBuffer<'a, P>,
+    (rows, n): (usize, usize),
+    arg: usize,
+    stat: usize,
+) -> FfiResult<ForwardOperands<'a, 'r, P>> {
+    let w = if form.has_weight {
+        Some(args.get(arg)?)
+    } else {
+        None
+    };
+    let b = if form.has_bias {
+        Some(args.get(arg + form.has_weight as usize)?)
+    } else {
+        None
+    };
+    if let Some(b) = &b {
+        check_bias(&x, w.as_ref(), b)?;
+    }
+    let (pair, layout) = pair_and_layout(&x, w.as_ref().or(b.as_ref()), rows, n)?;
+    let y = result(rets, 0)?;
+    expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
+    let mean = if form.norm.centred() {
+        let mean = result(rets, stat)?;
+        expect_rstd(mean.operand(), mean.dtype(), mean.dims(), &x, pair)?;
+        Some(mean)
+    } else {
+        None
+    };
+    let rstd = result(rets, stat + mean.is_some() as usize)?;
+    expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), &x, pair)?;
     Ok(ForwardOperands {
         x,
         w,
+        b,
         y,
+        mean,
         rstd,
         pair,
         layout,
     })
 }
 
-/// y of x's dtype and shape, rstd of the pair's accumulator dtype and x's leading shape.
-fn check_forward_results<P: Platform>(
-    x: &AnyBuffer<'_, P>,
-    y: &AnyResult<'_, P>,
-    rstd: &AnyResult<'_, P>,
-    pair: DtypePair,
-) -> Result<(), HandlerError> {
-    expect(y.operand(), y.dtype(), y.dims(), x.dtype(), x.dims())?;
-    expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), x, pair)
-}
-
-/// rstd (a result of the forward, an operand of the backward): the pair's accumulator dtype
-/// and x's leading shape.
+/// A statistic (rstd, mean: a result of the forward, an operand of the backward): the pair's
+/// accumulator dtype and x's leading shape.
 fn expect_rstd<P: Platform>(
     operand: Operand,
     dtype: DataType,
@@ -286,19 +407,18 @@ pub struct ResidualOperands<'a, 'r, P: Platform> {
     pub h: AnyResult<'r, P>,
 }
 
-/// Decodes and checks a fused residual-add forward call: arguments (x, residual, [weight]),
-/// results (y, h, rstd); the residual and h of x's dtype and shape, the rest as for
-/// [`forward_operands`].
+/// Decodes and checks a fused residual-add forward call: arguments (x, residual, [weight],
+/// [bias]), results (y, h, statistics); the residual and h of x's dtype and shape, the rest as
+/// for [`forward_operands`].
 pub fn residual_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
-    has_weight: bool,
-    row_len: usize,
+    form: ForwardForm,
 ) -> FfiResult<ResidualOperands<'a, 'r, P>> {
-    count("arguments", args.len(), 2 + has_weight as usize)?;
-    count("results", rets.len(), 3)?;
+    count("arguments", args.len(), 2 + form.params())?;
+    count("results", rets.len(), 2 + form.norm.statistics().len())?;
     let x = args.get(0)?;
-    let (rows, n) = check_x(&x, row_len)?;
+    let (rows, n) = check_x(&x, form.row_len)?;
     let residual = args.get(1)?;
     expect(
         residual.operand(),
@@ -307,25 +427,11 @@ pub fn residual_operands<'a, 'r, P: Platform>(
         x.dtype(),
         x.dims(),
     )?;
-    let w = if has_weight { Some(args.get(2)?) } else { None };
-    let groups = match &w {
-        Some(w) => check_weight(&x, w)?,
-        None => 1,
-    };
-    let pair = DtypePair::of(x.dtype(), w.as_ref().map(|w| w.dtype()))
-        .ok_or_else(|| FfiError::internal("the checked dtypes have no pair in the contract"))?;
-    let (y, h, rstd) = (result(rets, 0)?, result(rets, 1)?, result(rets, 2)?);
-    check_forward_results(&x, &y, &rstd, pair)?;
+    let h = result(rets, 1)?;
     expect(h.operand(), h.dtype(), h.dims(), x.dtype(), x.dims())?;
+    let forward = forward_rest(args, rets, form, x, (rows, n), 2, 2)?;
     Ok(ResidualOperands {
-        forward: ForwardOperands {
-            x,
-            w,
-            y,
-            rstd,
-            pair,
-            layout: Layout { rows, n, groups },
-        },
+        forward,
         residual,
         h,
     })
@@ -335,11 +441,15 @@ pub fn residual_operands<'a, 'r, P: Platform>(
 pub struct BackwardOperands<'a, 'r, P: Platform> {
     pub x: AnyBuffer<'a, P>,
     pub w: Option<AnyBuffer<'a, P>>,
+    /// LayerNorm's mean, where the call is given the statistics.
+    pub mean: Option<AnyBuffer<'a, P>>,
     /// `None` in a call that takes rstd itself (see [`BackwardAttrs::eps`]).
     pub rstd: Option<AnyBuffer<'a, P>>,
     pub dy: AnyBuffer<'a, P>,
     pub dx: AnyResult<'r, P>,
     pub dw: Option<AnyResult<'r, P>>,
+    /// The bias's gradient (LayerNorm with a bias).
+    pub db: Option<AnyResult<'r, P>>,
     /// The gradient added to dx before it is rounded (see [`BackwardAttrs::has_dh`]).
     pub dh: Option<AnyBuffer<'a, P>>,
     /// The contract's pair for x's and the weight's dtypes.
@@ -350,7 +460,10 @@ pub struct BackwardOperands<'a, 'r, P: Platform> {
 /// Which optional operands a backward call has.
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardForm {
+    pub norm: Norm,
     pub has_weight: bool,
+    /// The call returns the bias's gradient.
+    pub has_bias: bool,
     /// `rstd` is an operand (else the call takes it from x).
     pub has_rstd: bool,
     /// `dh` follows dy.
@@ -358,31 +471,56 @@ pub struct BackwardForm {
     pub row_len: usize,
 }
 
-/// Decodes and checks a backward call: arguments (x, [weight], [rstd], dy, [dh]), results
-/// (dx, [dweight]), each against x, the weight and the attributes.
+/// Decodes and checks a backward call: arguments (x, [weight], [statistics], dy, [dh]),
+/// results (dx, [dweight], [dbias]), each against x, the weight and the attributes.
 pub fn backward_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
     form: BackwardForm,
 ) -> FfiResult<BackwardOperands<'a, 'r, P>> {
     let BackwardForm {
+        norm,
         has_weight,
+        has_bias,
         has_rstd,
         has_dh,
         row_len,
     } = form;
-    let (has_w, has_r) = (has_weight as usize, has_rstd as usize);
+    let has_w = has_weight as usize;
+    let has_r = if has_rstd { norm.statistics().len() } else { 0 };
     count("arguments", args.len(), 2 + has_w + has_r + has_dh as usize)?;
-    count("results", rets.len(), 1 + has_w)?;
-    let (x, w, pair, layout) = x_and_weight(args, has_weight, row_len)?;
+    count("results", rets.len(), 1 + has_w + has_bias as usize)?;
+    let (x, w, mut pair, mut layout) = x_and_weight(args, has_weight, row_len)?;
+    let db = if has_bias {
+        let db = result(rets, 1 + has_w)?;
+        match &w {
+            Some(w) => expect(db.operand(), db.dtype(), db.dims(), w.dtype(), w.dims())?,
+            None => {
+                // The bias's gradient sets the pair and the groups, as a weight would.
+                layout.groups = check_weight_like(&x, db.operand(), db.dtype(), db.dims())?;
+                pair = DtypePair::of(x.dtype(), Some(db.dtype())).ok_or_else(|| {
+                    FfiError::internal("the checked dtypes have no pair in the contract")
+                })?;
+            }
+        }
+        Some(db)
+    } else {
+        None
+    };
+    let stats = 1 + has_w;
+    let mean = if has_rstd && norm.centred() {
+        Some(args.get(stats)?)
+    } else {
+        None
+    };
     let rstd = if has_rstd {
-        Some(args.get(1 + has_w)?)
+        Some(args.get(stats + mean.is_some() as usize)?)
     } else {
         None
     };
     let dy = args.get(1 + has_w + has_r)?;
-    if let Some(rstd) = &rstd {
-        expect_rstd(rstd.operand(), rstd.dtype(), rstd.dims(), &x, pair)?;
+    for s in mean.iter().chain(&rstd) {
+        expect_rstd(s.operand(), s.dtype(), s.dims(), &x, pair)?;
     }
     expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
     let dh = if has_dh {
@@ -405,10 +543,12 @@ pub fn backward_operands<'a, 'r, P: Platform>(
     Ok(BackwardOperands {
         x,
         w,
+        mean,
         rstd,
         dy,
         dx,
         dw,
+        db,
         dh,
         pair,
         layout,

@@ -17,15 +17,17 @@ pub mod simd;
 
 use half::{bf16, f16};
 
-use super::contract::{DtypePair, Float};
+use super::contract::{DtypePair, Float, Norm};
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 use super::math::{
     add_into, backward_row_adding, backward_rows, backward_rows_paired, forward_row, forward_rows,
+    layer::{self, Moments},
     offset_weights, Accum, Compensated, Element, Rstd, WideSum,
 };
 use super::operands::{
-    backward_operands, check_eps, check_row_len, check_scale_offset, forward_operands,
-    residual_operands, BackwardForm, BackwardOperands, ForwardOperands, Layout, ResidualOperands,
+    backward_operands, check_eps, check_norm, check_row_len, check_scale_offset, forward_operands,
+    residual_operands, BackwardForm, BackwardOperands, ForwardForm, ForwardOperands, Layout,
+    ResidualOperands,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
@@ -60,6 +62,8 @@ pub struct ForwardState {
     /// `Some`: the weight applied is `offset + w` (see `ForwardAttrs::scale_offset`).
     offset: Option<f32>,
     offset_weights: OffsetWeights,
+    norm: Norm,
+    has_bias: bool,
 }
 xla_ffi_bundles::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
 
@@ -82,6 +86,9 @@ pub struct BackwardState {
     offset_weights: OffsetWeights,
     /// Calls have a `dh` operand (see `BackwardAttrs::has_dh`).
     has_dh: bool,
+    norm: Norm,
+    /// Calls return the bias's gradient.
+    has_bias: bool,
 }
 
 /// The weight rows a call with a scale offset applies, `offset + w` in the accumulation dtype
@@ -202,7 +209,10 @@ impl ForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<ForwardState> {
         check_eps(attrs.eps)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
+        let (norm, has_bias) = check_norm(attrs.norm, attrs.has_bias)?;
         Ok(ForwardState {
+            norm,
+            has_bias,
             offset,
             offset_weights: OffsetWeights::default(),
             live: LiveState::register(target, "rmsnorm_ffi.RmsNormForwardState"),
@@ -212,6 +222,15 @@ impl ForwardState {
             row_len: check_row_len(attrs.row_len)?,
             jobs: ParallelJobs::new(),
         })
+    }
+
+    fn form(&self) -> ForwardForm {
+        ForwardForm {
+            norm: self.norm,
+            has_weight: self.has_weight,
+            has_bias: self.has_bias,
+            row_len: self.row_len,
+        }
     }
 }
 
@@ -255,8 +274,9 @@ impl Instantiate for Backward {
             check_eps(eps)?;
         }
         let offset = check_scale_offset(attrs.scale_offset)?;
-        let partial_len = if attrs.has_weight {
-            partial_rows(row_len) * row_len
+        let (norm, has_bias) = check_norm(attrs.norm, attrs.has_bias)?;
+        let partial_len = if attrs.has_weight || has_bias {
+            partial_rows(row_len) * row_len * gradient_rows(norm)
         } else {
             0
         };
@@ -272,7 +292,19 @@ impl Instantiate for Backward {
             offset,
             offset_weights: OffsetWeights::default(),
             has_dh: attrs.has_dh == Some(true),
+            norm,
+            has_bias,
         })
+    }
+}
+
+/// Gradient sums a backward keeps per weight element: the weight's, and LayerNorm's bias's
+/// after it (kept whether or not the call returns both: see `math::layer::backward_row`).
+fn gradient_rows(norm: Norm) -> usize {
+    if norm.centred() {
+        2
+    } else {
+        1
     }
 }
 
@@ -338,7 +370,7 @@ impl Execute for Forward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let ops = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        let ops = forward_operands(&args, &mut rets, state.form())?;
         forward_dispatch(state, ctx, ops, None)
     }
 }
@@ -360,7 +392,7 @@ impl Execute for ResidualForward {
             forward,
             residual,
             h,
-        } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        } = residual_operands(&args, &mut rets, state.form())?;
         forward_dispatch(state, ctx, forward, Some((residual, h)))
     }
 }
@@ -377,14 +409,21 @@ fn forward_dispatch(
     let ForwardOperands {
         x,
         w,
+        b,
         y,
+        mean,
         rstd,
         pair,
         layout,
     } = ops;
     let call = ForwardCall { state, ctx, layout };
-    with_pair_types!(pair, |T, W, K, A| call
-        .typed::<T, W, K, A>(x, w, y, rstd, res))
+    let out = ForwardOut { y, mean, rstd };
+    with_pair_types!(pair, |T, W, K, A| call.typed::<T, W, K, A>(
+        x,
+        (w, b),
+        out,
+        res
+    ))
 }
 
 /// The forward pass over one chunk's `rstd.len()` consecutive rows of `n`, in the loops that
@@ -447,42 +486,71 @@ pub fn backward_chunk<T: Element, W: Element, A: Accum>(
     backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx, acc)
 }
 
+/// A forward's statistics results: LayerNorm's mean (`None` for the RMS norm) and rstd.
+struct Stats<'a, A> {
+    mean: Option<&'a mut [A]>,
+    rstd: &'a mut [A],
+}
+
 struct ForwardCall<'s, 'c, 'a> {
     state: &'s ForwardState,
     ctx: &'c Context<'a>,
     layout: Layout,
 }
 
+/// The results of a forward call: y and the statistics.
+struct ForwardOut<'r> {
+    y: AnyResult<'r>,
+    mean: Option<AnyResult<'r>>,
+    rstd: AnyResult<'r>,
+}
+
 impl ForwardCall<'_, '_, '_> {
     /// The call's buffers as slices of its pair's types; with a scale offset, or a weight the
     /// kernels are not built for (`K` is not `W`), the weight converted to `offset + w` or `w`
-    /// in `A` first (the kernels then read it as an `A` weight).
+    /// in `A` first (the kernels then read it as an `A` weight). LayerNorm's weight and bias
+    /// are always converted (its loops are built for `A` weights only).
     fn typed<T: Element, W: Element, K: Element, A: CpuAccum>(
         &self,
         x: AnyBuffer<'_>,
-        w: Option<AnyBuffer<'_>>,
-        y: AnyResult<'_>,
-        rstd: AnyResult<'_>,
+        (w, b): (Option<AnyBuffer<'_>>, Option<AnyBuffer<'_>>),
+        out: ForwardOut<'_>,
         res: Residual<'_, '_>,
     ) -> FfiResult<()> {
         let x = x.as_slice::<T>()?;
-        let y = y.into_mut_slice::<T>()?;
-        let rstd = rstd.into_mut_slice::<A>()?;
+        let y = out.y.into_mut_slice::<T>()?;
+        let rstd = out.rstd.into_mut_slice::<A>()?;
+        let mean = out.mean.map(|m| m.into_mut_slice::<A>()).transpose()?;
         let res = match res {
             Some((r, h)) => Some((r.as_slice::<T>()?, h.into_mut_slice::<T>()?)),
             None => None,
         };
         let offset = self.state.offset;
+        let pools = &self.state.offset_weights;
+        if let Some(mean) = mean {
+            let w = w
+                .map(|w| weight_rows::<W, A>(pools, w.as_slice::<W>()?, offset))
+                .transpose()?;
+            let b = b
+                .map(|b| weight_rows::<W, A>(pools, b.as_slice::<W>()?, None))
+                .transpose()?;
+            let stats = Stats {
+                mean: Some(mean),
+                rstd,
+            };
+            return self.run::<T, A, A>(x, (w.as_deref(), b.as_deref()), y, stats, res);
+        }
+        let stats = Stats { mean: None, rstd };
         match w {
             Some(w) if offset.is_some() || !same_type::<W, K>() => {
                 let w = w.as_slice::<W>()?;
-                let rows = weight_rows::<W, A>(&self.state.offset_weights, w, offset)?;
-                self.run::<T, A, A>(x, Some(&rows), y, rstd, res)
+                let rows = weight_rows::<W, A>(pools, w, offset)?;
+                self.run::<T, A, A>(x, (Some(&rows), None), y, stats, res)
             }
             // No weight, or one of K's dtype.
             w => {
                 let w = w.map(|w| w.as_slice::<K>()).transpose()?;
-                self.run::<T, K, A>(x, w, y, rstd, res)
+                self.run::<T, K, A>(x, (w, None), y, stats, res)
             }
         }
     }
@@ -490,14 +558,17 @@ impl ForwardCall<'_, '_, '_> {
     fn run<T: Element, W: Element, A: Accum>(
         &self,
         x: &[T],
-        w: Option<&[W]>,
+        (w, b): (Option<&[W]>, Option<&[W]>),
         y: &mut [T],
-        rstd: &mut [A],
+        Stats { mean, rstd }: Stats<'_, A>,
         res: Option<(&[T], &mut [T])>,
     ) -> FfiResult<()> {
         let Layout { rows, n, .. } = self.layout;
         if n == 0 {
             rstd.fill(A::NAN);
+            if let Some(mean) = mean {
+                mean.fill(A::NAN);
+            }
             return Ok(());
         }
         // x read and y written, and with a residual, the residual read and h written.
@@ -506,6 +577,9 @@ impl ForwardCall<'_, '_, '_> {
         let element_bounds = &plan.scaled(n)[..plan.count() + 1];
         let y_chunks = DisjointChunks::new(y, element_bounds)?;
         let rstd_chunks = DisjointChunks::new(rstd, plan.bounds())?;
+        let mean_chunks = mean
+            .map(|m| DisjointChunks::new(m, plan.bounds()))
+            .transpose()?;
         let (residual, h_chunks) = match res {
             Some((r, h)) => (Some(r), Some(DisjointChunks::new(h, element_bounds)?)),
             None => (None, None),
@@ -516,6 +590,13 @@ impl ForwardCall<'_, '_, '_> {
         let body = |c: usize| {
             let (Some(y), Some(rstd)) = (y_chunks.take(c), rstd_chunks.take(c)) else {
                 return;
+            };
+            let mean = match &mean_chunks {
+                Some(chunks) => match chunks.take(c) {
+                    Some(mean) => Some(mean),
+                    None => return,
+                },
+                None => None,
             };
             let first = plan.start(c);
             let span = first * n..(first + rstd.len()) * n;
@@ -538,8 +619,18 @@ impl ForwardCall<'_, '_, '_> {
                         }
                         None => &x[span.clone()],
                     };
-                    let w_of = |i: usize| w.map(|w| &w[((first + i) / per_group) * n..][..n]);
-                    forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd);
+                    let row =
+                        |i: usize| ((first + i) / per_group) * n..((first + i) / per_group + 1) * n;
+                    let w_of = |i: usize| w.map(|w| &w[row(i)]);
+                    match mean {
+                        Some(mean) => {
+                            let b_of = |i: usize| b.map(|b| &b[row(i)]);
+                            layer::forward_rows::<T, W, A>(
+                                x_rows, n, w_of, b_of, eps, y, mean, rstd,
+                            )
+                        }
+                        None => forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd),
+                    }
                 },
             )
         };
@@ -563,6 +654,8 @@ impl Execute for Backward {
     ) -> FfiResult<()> {
         state.live.record_execution();
         let form = BackwardForm {
+            norm: state.norm,
+            has_bias: state.has_bias,
             has_weight: state.has_weight,
             has_rstd: state.eps.is_none(),
             has_dh: state.has_dh,
@@ -598,6 +691,9 @@ struct BackwardInputs<'a, T, W, A> {
     n: usize,
     rows_per_group: usize,
     kernel: Kernel,
+    /// LayerNorm's statistics (`None` for the RMS norm): then the rows run through
+    /// `math::layer`, and a gradient accumulator row holds the weight's sums and the bias's.
+    moments: Option<Moments<'a, A>>,
 }
 
 /// Elements of a half-precision backward with dh widened at a time (on the stack, three arrays
@@ -616,6 +712,12 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         dx_rows: &mut [T],
         acc: Option<&mut [A::Wide]>,
     ) {
+        if let Some(moments) = self.moments {
+            return kernel.run(
+                #[inline(always)]
+                || self.layer_rows(moments, first, dx_rows, acc),
+            );
+        }
         match self.dh {
             Some(dh) if !same_type::<T, A>() && self.n <= WIDE_BLOCK => {
                 self.widened(kernel, dh, first, dx_rows, acc)
@@ -685,6 +787,7 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
                 n,
                 rows_per_group: rows,
                 kernel: self.kernel,
+                moments: None,
             };
             wide.run_rows(kernel, 0, &mut dx[..len], acc.as_deref_mut());
             let out = &mut dx_rows[done * n..][..len];
@@ -698,6 +801,36 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
             );
             done += rows;
         }
+    }
+
+    /// LayerNorm's rows `first..` (as many as `dx_rows` holds), dh added before dx is rounded.
+    #[inline(always)]
+    fn layer_rows(
+        &self,
+        moments: Moments<'_, A>,
+        first: usize,
+        dx_rows: &mut [T],
+        acc: Option<&mut [A::Wide]>,
+    ) {
+        let n = self.n;
+        if n == 0 {
+            return;
+        }
+        let span = first * n..(first + dx_rows.len() / n) * n;
+        let w_of = |i: usize| {
+            self.w
+                .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
+        };
+        layer::backward_rows::<T, W, A>(
+            &self.x[span.clone()],
+            &self.dy[span.clone()],
+            self.dh.map(|dh| &dh[span]),
+            n,
+            w_of,
+            moments.from_row(first),
+            dx_rows,
+            acc,
+        );
     }
 
     /// Rows `first..` (as many as `dx_rows` holds), with dh added to dx where the call has it.
@@ -794,6 +927,9 @@ struct BackwardSlices<'a, T, W, A, D> {
     dh: Option<&'a [T]>,
     dx: &'a mut [T],
     dw: Option<&'a mut [D]>,
+    /// LayerNorm's: its statistics, and the bias's gradient where the call returns it.
+    moments: Option<Moments<'a, A>>,
+    db: Option<&'a mut [D]>,
 }
 
 impl<'a, T, W, A, D> BackwardSlices<'a, T, W, A, D> {
@@ -814,6 +950,8 @@ impl<'a, T, W, A, D> BackwardSlices<'a, T, W, A, D> {
             dh,
             dx,
             dw,
+            moments: None,
+            db: None,
         }
     }
 }
@@ -826,7 +964,7 @@ impl BackwardCall<'_, '_, '_> {
         &self,
         ops: BackwardOperands<'_, '_, Host>,
     ) -> FfiResult<()> {
-        let rstd = match (ops.rstd, self.state.eps) {
+        let rstd = match (&ops.rstd, self.state.eps) {
             (Some(rstd), _) => Rstd::Given(rstd.as_slice::<A>()?),
             (None, Some(eps)) => Rstd::FromX(<A as Accum>::from_f32(eps)),
             (None, None) => return Err(FfiError::internal("a backward with neither rstd nor eps")),
@@ -837,6 +975,28 @@ impl BackwardCall<'_, '_, '_> {
         let dx = ops.dx.into_mut_slice::<T>()?;
         let partials = A::partials(self.state);
         let offset = self.state.offset;
+        if self.state.norm.centred() {
+            // LayerNorm: the weight always in `A` (its loops are built for `A` weights only),
+            // the gradients in the weight's dtype (or the bias's, without a weight).
+            let moments = match (ops.mean, rstd) {
+                (Some(mean), Rstd::Given(rstd)) => Moments::Given {
+                    mean: mean.as_slice::<A>()?,
+                    rstd,
+                },
+                (None, Rstd::FromX(eps)) => Moments::FromX(eps),
+                _ => return Err(FfiError::internal("a LayerNorm backward given rstd alone")),
+            };
+            let pools = &self.state.offset_weights;
+            let w = ops
+                .w
+                .map(|w| weight_rows::<W, A>(pools, w.as_slice::<W>()?, offset))
+                .transpose()?;
+            let dw = ops.dw.map(|dw| dw.into_mut_slice::<W>()).transpose()?;
+            let mut slices = BackwardSlices::new(x, w.as_deref(), rstd, dy, dh, dx, dw);
+            slices.moments = Some(moments);
+            slices.db = ops.db.map(|db| db.into_mut_slice::<W>()).transpose()?;
+            return self.run::<T, A, A, W>(slices, partials);
+        }
         match ops.w {
             Some(w) if offset.is_some() || !same_type::<W, K>() => {
                 let w = w.as_slice::<W>()?;
@@ -869,6 +1029,8 @@ impl BackwardCall<'_, '_, '_> {
             dh,
             dx,
             dw,
+            moments,
+            db,
         } = slices;
         let kernel = self.state.kernel;
         // x and dy read, dx written (the weight and its gradient are one row each).
@@ -883,9 +1045,14 @@ impl BackwardCall<'_, '_, '_> {
             n,
             rows_per_group,
             kernel,
+            moments,
         };
+        // Gradient sums per weight element (the weight's, then LayerNorm's bias's), and the
+        // gradients the call returns with the column of their sums.
+        let width = n * gradient_rows(self.state.norm);
+        let mut grads = [dw.map(|dw| (0, dw)), db.map(|db| (n, db))];
 
-        let Some(dw) = dw else {
+        if grads.iter().all(Option::is_none) {
             // No weight: only dx, rows in any chunks.
             if n == 0 {
                 return Ok(());
@@ -903,7 +1070,9 @@ impl BackwardCall<'_, '_, '_> {
             return Ok(());
         }
         if rows == 0 {
-            dw.fill(D::default());
+            for (_, out) in grads.iter_mut().flatten() {
+                out.fill(D::default());
+            }
             return Ok(());
         }
         let mut scratch = partials.checkout();
@@ -919,25 +1088,36 @@ impl BackwardCall<'_, '_, '_> {
             );
             let dx_chunks =
                 DisjointChunks::new(dx, &plan.scaled(per_group * n)[..plan.count() + 1])?;
-            let dw_chunks = DisjointChunks::new(dw, &plan.scaled(n)[..plan.count() + 1])?;
-            let acc_chunks = per_chunk_rows(&mut scratch, plan.count(), n)?;
+            let bounds = &plan.scaled(n)[..plan.count() + 1];
+            let [g0, g1] = grads;
+            let out_chunks = [
+                g0.map(|(col, out)| DisjointChunks::new(out, bounds).map(|o| (col, o)))
+                    .transpose()?,
+                g1.map(|(col, out)| DisjointChunks::new(out, bounds).map(|o| (col, o)))
+                    .transpose()?,
+            ];
+            let acc_chunks = per_chunk_rows(&mut scratch, plan.count(), width)?;
             let body = |c: usize| {
-                let (Some(dx), Some(dw), Some(acc)) =
-                    (dx_chunks.take(c), dw_chunks.take(c), acc_chunks.take(c))
-                else {
+                let (Some(dx), Some(acc)) = (dx_chunks.take(c), acc_chunks.take(c)) else {
                     return;
                 };
+                let mut outs = [None, None];
+                for (slot, chunks) in outs.iter_mut().zip(&out_chunks) {
+                    if let Some((col, chunks)) = chunks {
+                        let Some(out) = chunks.take(c) else { return };
+                        *slot = Some((*col, out));
+                    }
+                }
                 let first_group = plan.start(c);
-                for (gi, (dx_group, dw_row)) in dx
-                    .chunks_exact_mut(per_group * n)
-                    .zip(dw.chunks_exact_mut(n))
-                    .enumerate()
-                {
+                for (gi, dx_group) in dx.chunks_exact_mut(per_group * n).enumerate() {
                     acc.fill(A::Wide::default());
                     let first_row = (first_group + gi) * per_group;
                     inputs.run_rows(kernel, first_row, dx_group, Some(&mut *acc));
-                    for (o, &a) in dw_row.iter_mut().zip(acc.iter()) {
-                        *o = D::from_f64(a.value());
+                    for (col, out) in outs.iter_mut().flatten() {
+                        let sums = &acc[*col..][..n];
+                        for (o, &a) in out[gi * n..][..n].iter_mut().zip(sums) {
+                            *o = D::from_f64(a.value());
+                        }
                     }
                 }
             };
@@ -950,7 +1130,7 @@ impl BackwardCall<'_, '_, '_> {
         let chunks = plan.count();
         {
             let dx_chunks = DisjointChunks::new(dx, &plan.scaled(n)[..chunks + 1])?;
-            let acc_chunks = per_chunk_rows(&mut scratch, chunks, n)?;
+            let acc_chunks = per_chunk_rows(&mut scratch, chunks, width)?;
             let body = |c: usize| {
                 let (Some(dx), Some(acc)) = (dx_chunks.take(c), acc_chunks.take(c)) else {
                     return;
@@ -960,40 +1140,45 @@ impl BackwardCall<'_, '_, '_> {
             };
             self.state.jobs.run(self.ctx, chunks, workers, &body)?;
         }
-        let partial = &scratch[..chunks * n];
-        let blocks = Plan::split(n, 1, REDUCE_BLOCK, MAX_CHUNKS);
-        let dw_chunks = DisjointChunks::new(dw, blocks.bounds())?;
-        let body = |b: usize| {
-            let Some(out) = dw_chunks.take(b) else { return };
-            let first = blocks.start(b);
-            kernel.run(
-                #[inline(always)]
-                || {
-                    // Partial rows are added in chunk order, REDUCE_BLOCK columns at a time, in
-                    // a stack buffer: contiguous loads that vectorize. (A block of the plan can
-                    // be wider than REDUCE_BLOCK for long rows: the plan has at most
-                    // MAX_CHUNKS blocks.)
-                    let mut buffer = [A::Wide::default(); REDUCE_BLOCK];
-                    for (k, out) in out.chunks_mut(REDUCE_BLOCK).enumerate() {
-                        let col = first + k * REDUCE_BLOCK;
-                        let sum = &mut buffer[..out.len()];
-                        sum.fill(A::Wide::default());
-                        for c in 0..chunks {
-                            let row = &partial[c * n + col..][..sum.len()];
-                            for (s, &p) in sum.iter_mut().zip(row) {
-                                *s = s.merge(p);
+        let partial = &scratch[..chunks * width];
+        for (offset, out) in grads.into_iter().flatten() {
+            let blocks = Plan::split(n, 1, REDUCE_BLOCK, MAX_CHUNKS);
+            let out_chunks = DisjointChunks::new(out, blocks.bounds())?;
+            let body = |b: usize| {
+                let Some(out) = out_chunks.take(b) else {
+                    return;
+                };
+                let first = offset + blocks.start(b);
+                kernel.run(
+                    #[inline(always)]
+                    || {
+                        // Partial rows are added in chunk order, REDUCE_BLOCK columns at a time,
+                        // in a stack buffer: contiguous loads that vectorize. (A block of the
+                        // plan can be wider than REDUCE_BLOCK for long rows: the plan has at
+                        // most MAX_CHUNKS blocks.)
+                        let mut buffer = [A::Wide::default(); REDUCE_BLOCK];
+                        for (k, out) in out.chunks_mut(REDUCE_BLOCK).enumerate() {
+                            let col = first + k * REDUCE_BLOCK;
+                            let sum = &mut buffer[..out.len()];
+                            sum.fill(A::Wide::default());
+                            for c in 0..chunks {
+                                let row = &partial[c * width + col..][..sum.len()];
+                                for (s, &p) in sum.iter_mut().zip(row) {
+                                    *s = s.merge(p);
+                                }
+                            }
+                            for (o, &s) in out.iter_mut().zip(sum.iter()) {
+                                *o = D::from_f64(s.value());
                             }
                         }
-                        for (o, &s) in out.iter_mut().zip(sum.iter()) {
-                            *o = D::from_f64(s.value());
-                        }
-                    }
-                },
-            )
-        };
-        self.state
-            .jobs
-            .run(self.ctx, blocks.count(), workers, &body)
+                    },
+                )
+            };
+            self.state
+                .jobs
+                .run(self.ctx, blocks.count(), workers, &body)?;
+        }
+        Ok(())
     }
 }
 

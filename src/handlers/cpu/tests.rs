@@ -748,6 +748,7 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                         n,
                         rows_per_group: rows,
                         kernel,
+                        moments: None,
                     };
                     let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
                     kernel.run(|| inputs.rows_from(0, &mut dx, Some(&mut acc)));

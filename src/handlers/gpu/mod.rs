@@ -33,8 +33,8 @@ pub mod resources;
 pub mod variant;
 
 use super::operands::{
-    backward_operands, check_eps, check_row_len, check_scale_offset, forward_operands,
-    residual_operands, BackwardAttrs, BackwardForm, BackwardOperands, ForwardAttrs,
+    backward_operands, check_eps, check_norm, check_row_len, check_scale_offset, forward_operands,
+    residual_operands, BackwardAttrs, BackwardForm, BackwardOperands, ForwardAttrs, ForwardForm,
     ForwardOperands, Layout, ResidualOperands,
 };
 use driver::{GpuError, LaunchConfig};
@@ -47,6 +47,7 @@ use xla_ffi_bundles::ffi::{
 };
 use xla_ffi_bundles::state::LiveState;
 
+use super::contract::Norm;
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 
 impl From<GpuError> for FfiError {
@@ -130,6 +131,7 @@ impl Bundle for GpuForward {
 
 impl GpuForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
+        rms_only(attrs.norm, attrs.has_bias)?;
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
@@ -245,6 +247,7 @@ impl Bundle for GpuBackward {
 impl Instantiate for GpuBackward {
     type Attrs<'a> = BackwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: BackwardAttrs) -> FfiResult<GpuBackwardState> {
+        rms_only(attrs.norm, attrs.has_bias)?;
         let row_len = check_row_len(attrs.row_len)?;
         if let Some(eps) = attrs.eps {
             // The kernels read the forward's rstd; the Python lowering passes it on CUDA.
@@ -287,10 +290,25 @@ impl Initialize for GpuBackward {
     }
 }
 
+/// The CUDA kernels are the RMS norm's: a call site for LayerNorm is refused when it is
+/// instantiated, naming the attribute (the Python ops refuse it before lowering).
+fn rms_only(norm: Option<Norm>, has_bias: Option<bool>) -> FfiResult<()> {
+    match check_norm(norm, has_bias)? {
+        (Norm::Rms, _) => Ok(()),
+        (other, _) => Err(FfiError::Unimplemented(format!(
+            "attribute `norm` ({}, {other:?}): the CUDA kernels are the RMS norm's; LayerNorm \
+             runs on the CPU",
+            other.value()
+        ))),
+    }
+}
+
 /// The operands of the call site's CUDA backward calls: rstd always given (the kernels read the
 /// forward's), dh when the call site says so.
 fn backward_form(state: &GpuBackwardState) -> BackwardForm {
     BackwardForm {
+        norm: Norm::Rms,
+        has_bias: false,
         has_weight: state.has_weight,
         has_rstd: true,
         has_dh: state.has_dh,
@@ -355,7 +373,11 @@ impl Execute for GpuForward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let forward = forward_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        let forward = forward_operands(
+            &args,
+            &mut rets,
+            ForwardForm::rms(state.has_weight, state.row_len),
+        )?;
         launch_forward(state, ctx, &forward, None)
     }
 }
@@ -377,7 +399,11 @@ impl Execute for GpuResidualForward {
             forward,
             residual,
             h,
-        } = residual_operands(&args, &mut rets, state.has_weight, state.row_len)?;
+        } = residual_operands(
+            &args,
+            &mut rets,
+            ForwardForm::rms(state.has_weight, state.row_len),
+        )?;
         let fused = (addr(residual.device_ptr()), addr(h.device_ptr()));
         launch_forward(state, ctx, &forward, Some(fused))
     }

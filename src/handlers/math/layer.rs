@@ -1,0 +1,496 @@
+//! LayerNorm's rows: the statistics of a row, one row of the forward and of the backward, and
+//! the loops over many rows that the CPU runs (`cpu`, inside its SIMD context, like the RMS
+//! norm's loops in the parent module).
+//!
+//! Forward: `y = (x - mean) * rstd * w + b`, `rstd = 1 / sqrt(var + eps)`.
+//! Backward, with `xhat = (x - mean) * rstd` and `g = dy * w`:
+//! `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`,
+//! `db = sum over rows of dy`.
+//!
+//! The variance is never `E[x^2] - E[x]^2`, which loses every digit in float32 when a row's
+//! mean is large against its spread (x = 1e4 + N(0, 1)). A row is read three times (it is in
+//! cache after the first): its sum gives the mean `m`, rounded once to `A` (the `mean` result);
+//! then the deviations `x - m`, exact where x and m are within a factor of two of each other
+//! (Sterbenz), give both the variance and `d = mean(x - m)`, the part of the true mean that `m`
+//! could not hold, so `var = mean((x - m)^2) - d^2` (a shifted two-pass variance, whose
+//! correction term is at most a rounding of m squared), and every use of the centred value is
+//! `(x - m) - d`. The backward, given only `m` and `rstd`, takes `d` from x itself in its first
+//! pass, with the forward's bits: so a float32 `mean` loses nothing at a mean of 1e6 times the
+//! spread, where `x - m` alone would be off by up to half a float32 unit of 1e6 (3% of the
+//! spread).
+//!
+//! Sums are blocked as the RMS norm's ([`RowSum`]: [`LANES`] accumulators in `A` per
+//! [`SUM_BLOCK`] elements, added into compensated float64 lanes), so the error does not grow
+//! with the row and the bits are the same on every instruction set.
+
+use super::{Accum, Element, RowSum, WideSum, LANES, SUM_BLOCK};
+
+/// A row's statistics: the mean rounded once to `A` (what the forward returns), the mean of
+/// the deviations from it (`d` above), and rstd.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stats<A> {
+    pub mean: A,
+    pub shift: A,
+    pub rstd: A,
+}
+
+/// Where a backward's per-row statistics come from (the counterpart of the RMS norm's
+/// [`super::Rstd`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Moments<'a, A> {
+    /// The forward's `mean` and `rstd`, one per row (the shift is taken from x).
+    Given { mean: &'a [A], rstd: &'a [A] },
+    /// Taken from the row itself with this eps: the forward's bits.
+    FromX(A),
+}
+
+impl<'a, A: Accum> Moments<'a, A> {
+    /// The same, for rows `first..`.
+    #[inline(always)]
+    pub fn from_row(self, first: usize) -> Moments<'a, A> {
+        match self {
+            Moments::Given { mean, rstd } => Moments::Given {
+                mean: &mean[first..],
+                rstd: &rstd[first..],
+            },
+            from_x => from_x,
+        }
+    }
+}
+
+/// `K` sums along a row of `n`, the terms of element `i` given by `term(i)`, blocked as the RMS
+/// norm's sums: lane `i % LANES` of a block of [`SUM_BLOCK`] elements, each block added into
+/// the float64 lanes.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // the lane is an element's offset as well as acc's index
+fn sums<A: Accum, const K: usize>(n: usize, term: impl Fn(usize) -> [A; K]) -> [f64; K] {
+    let mut out = [RowSum::new(); K];
+    let mut start = 0;
+    while start < n {
+        let end = (start + SUM_BLOCK).min(n);
+        let mut acc = [[A::ZERO; LANES]; K];
+        let mut i = start;
+        while i + LANES <= end {
+            for l in 0..LANES {
+                let t = term(i + l);
+                for k in 0..K {
+                    acc[k][l] = acc[k][l] + t[k];
+                }
+            }
+            i += LANES;
+        }
+        for l in 0..end - i {
+            let t = term(i + l);
+            for k in 0..K {
+                acc[k][l] = acc[k][l] + t[k];
+            }
+        }
+        for k in 0..K {
+            out[k].add(&acc[k]);
+        }
+        start = end;
+    }
+    RowSum::totals(out)
+}
+
+/// The shift and rstd of a row given its rounded mean `m`: from the sums of `x - m` and of its
+/// squares. A NaN variance stays NaN (a NaN or infinite element); a negative one (rounding, for
+/// a row of equal elements) is 0.
+#[inline(always)]
+pub fn centred<T: Element, A: Accum>(x: &[T], m: A, eps: A) -> (A, A) {
+    let n = x.len() as f64;
+    let [s1, s2] = sums::<A, 2>(x.len(), |i| {
+        let c = A::load(x[i]) - m;
+        [c, c * c]
+    });
+    let d = s1 / n;
+    let var = s2 / n - d * d;
+    let var = if var < 0.0 { 0.0 } else { var };
+    (
+        A::from_f64(d),
+        A::from_f64(1.0 / (var + eps.to_f64()).sqrt()),
+    )
+}
+
+/// The mean of a row, rounded once to `A` (its sum taken as [`RowSum`] takes sums).
+#[inline(always)]
+pub fn mean<T: Element, A: Accum>(x: &[T]) -> A {
+    let [sum] = sums::<A, 1>(x.len(), |i| [A::load(x[i])]);
+    A::from_f64(sum / x.len() as f64)
+}
+
+/// A row's statistics; NaN for an empty row, as `jnp.mean` of nothing.
+#[inline(always)]
+pub fn stats<T: Element, A: Accum>(x: &[T], eps: A) -> Stats<A> {
+    if x.is_empty() {
+        return Stats {
+            mean: A::NAN,
+            shift: A::NAN,
+            rstd: A::NAN,
+        };
+    }
+    let m = mean::<T, A>(x);
+    let (shift, rstd) = centred::<T, A>(x, m, eps);
+    Stats {
+        mean: m,
+        shift,
+        rstd,
+    }
+}
+
+/// One row of the forward: `y = ((x - m) - d) * rstd * w + b` (without a weight or a bias,
+/// without that factor or term); returns the row's statistics. The weight and bias are read as
+/// `A::load` reads them (the CPU hands them over in `A`, converted once per call with any scale
+/// offset added).
+#[inline(always)]
+pub fn forward_row<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    b: Option<&[W]>,
+    eps: A,
+    y: &mut [T],
+) -> Stats<A> {
+    let s = stats::<T, A>(x, eps);
+    let (m, d, r) = (s.mean, s.shift, s.rstd);
+    let xhat = |v: T| (A::load(v) - m - d) * r;
+    // One loop per case, each without branches, so that they vectorize.
+    match (w, b) {
+        (Some(w), Some(b)) => {
+            for (((o, &v), &wi), &bi) in y.iter_mut().zip(x).zip(w).zip(b) {
+                *o = (xhat(v) * A::load(wi) + A::load(bi)).store();
+            }
+        }
+        (Some(w), None) => {
+            for ((o, &v), &wi) in y.iter_mut().zip(x).zip(w) {
+                *o = (xhat(v) * A::load(wi)).store();
+            }
+        }
+        (None, Some(b)) => {
+            for ((o, &v), &bi) in y.iter_mut().zip(x).zip(b) {
+                *o = (xhat(v) + A::load(bi)).store();
+            }
+        }
+        (None, None) => {
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = xhat(v).store();
+            }
+        }
+    }
+    s
+}
+
+/// The forward over consecutive rows of `n` (`rstd.len()` of them); `w_of(i)` and `b_of(i)` are
+/// row `i`'s weight and bias.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    b_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [T],
+    mean: &mut [A],
+    rstd: &mut [A],
+) {
+    if n == 0 {
+        mean.fill(A::NAN);
+        rstd.fill(A::NAN);
+        return;
+    }
+    let rows = y.chunks_exact_mut(n).zip(x.chunks_exact(n));
+    for (i, ((y, x), (m, r))) in rows.zip(mean.iter_mut().zip(rstd.iter_mut())).enumerate() {
+        let s = forward_row::<T, W, A>(x, w_of(i), b_of(i), eps, y);
+        (*m, *r) = (s.mean, s.rstd);
+    }
+}
+
+/// One row of the backward (row 0 of `moments`): writes `dx` (plus `dh` before it is rounded,
+/// the fused residual's backward) and, with `acc`, adds this row's `dy * xhat` to its first `n`
+/// sums (the weight's gradient) and `dy` to the next `n` (the bias's).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_row<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    moments: Moments<'_, A>,
+    dy: &[T],
+    dh: Option<&[T]>,
+    dx: &mut [T],
+    acc: Option<&mut [A::Wide]>,
+) {
+    let n = x.len();
+    if n == 0 {
+        return;
+    }
+    let (m, r) = match moments {
+        Moments::Given { mean, rstd } => (mean[0], rstd[0]),
+        Moments::FromX(eps) => {
+            let s = stats::<T, A>(x, eps);
+            (s.mean, s.rstd)
+        }
+    };
+    let g = |i: usize| match w {
+        Some(w) => A::load(dy[i]) * A::load(w[i]),
+        None => A::load(dy[i]),
+    };
+    // The first pass: sum(x - m) (the shift, with the forward's bits), sum(g), sum(g * (x - m)).
+    let [s1, sg, sgc] = sums::<A, 3>(n, |i| {
+        let c = A::load(x[i]) - m;
+        let gi = g(i);
+        [c, gi, gi * c]
+    });
+    let nf = n as f64;
+    let d = A::from_f64(s1 / nf);
+    // mean(g) and mean(g * xhat) = r * (sum(g * (x - m)) - d * sum(g)) / n, in float64.
+    let c1 = A::from_f64(sg / nf);
+    let c2 = A::from_f64((sgc - d.to_f64() * sg) / nf * r.to_f64());
+    let xhat = |i: usize| (A::load(x[i]) - m - d) * r;
+    match dh {
+        Some(dh) => {
+            for (i, o) in dx.iter_mut().enumerate() {
+                *o = (r * (g(i) - c1 - xhat(i) * c2) + A::load(dh[i])).store();
+            }
+        }
+        None => {
+            for (i, o) in dx.iter_mut().enumerate() {
+                *o = (r * (g(i) - c1 - xhat(i) * c2)).store();
+            }
+        }
+    }
+    if let Some(acc) = acc {
+        let (dw, db) = acc.split_at_mut(n);
+        for (i, (aw, ab)) in dw.iter_mut().zip(db.iter_mut()).enumerate() {
+            let gy = A::load(dy[i]);
+            *aw = aw.add((gy * xhat(i)).to_f64());
+            *ab = ab.add(gy.to_f64());
+        }
+    }
+}
+
+/// The backward over consecutive rows of `n` (as many as `dx` holds), row by row; `w_of(i)` is
+/// row `i`'s weight, `acc` the rows' `2n` gradient sums (see [`backward_row`]).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
+    x: &[T],
+    dy: &[T],
+    dh: Option<&[T]>,
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    moments: Moments<'_, A>,
+    dx: &mut [T],
+    mut acc: Option<&mut [A::Wide]>,
+) {
+    if n == 0 {
+        return;
+    }
+    for (i, dx) in dx.chunks_exact_mut(n).enumerate() {
+        let row = i * n..(i + 1) * n;
+        backward_row::<T, W, A>(
+            &x[row.clone()],
+            w_of(i),
+            moments.from_row(i),
+            &dy[row.clone()],
+            dh.map(|dh| &dh[row]),
+            dx,
+            acc.as_deref_mut(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values `centre + spread * u`, u in [-1, 1).
+    fn row(n: usize, seed: u64, centre: f64, spread: f64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (centre + spread * ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)) as f32
+            })
+            .collect()
+    }
+
+    /// float64 forward of the float32 row: (y, mean, rstd).
+    fn reference(x: &[f32], w: &[f32], b: &[f32], eps: f64) -> (Vec<f64>, f64, f64) {
+        let n = x.len() as f64;
+        let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        let r = 1.0 / (var + eps).sqrt();
+        let y = x
+            .iter()
+            .zip(w.iter().zip(b))
+            .map(|(&v, (&wi, &bi))| (v as f64 - mean) * r * wi as f64 + bi as f64)
+            .collect();
+        (y, mean, r)
+    }
+
+    /// The largest error of `y` against `want`, in float32 units of the row's largest |y|
+    /// (normalized outputs are O(1), so this is the error relative to the result's scale).
+    fn error(y: &[f32], want: &[f64]) -> f64 {
+        error_at(y, want, want.iter().fold(0f64, |m, v| m.max(v.abs())))
+    }
+
+    /// [`error`] in units of `scale`'s float32 eps.
+    fn error_at(y: &[f32], want: &[f64], scale: f64) -> f64 {
+        let ulp = scale * f32::EPSILON as f64;
+        y.iter()
+            .zip(want)
+            .map(|(&a, &b)| (a as f64 - b).abs() / ulp)
+            .fold(0.0, f64::max)
+    }
+
+    /// `E[x^2] - E[x]^2` in float32: the variance a LayerNorm must not use (planted here to
+    /// prove the accuracy bound below catches it).
+    fn naive_forward(x: &[f32], eps: f32) -> Vec<f32> {
+        let n = x.len() as f32;
+        let mean = x.iter().sum::<f32>() / n;
+        let var = (x.iter().map(|v| v * v).sum::<f32>() / n - mean * mean).max(0.0);
+        let r = 1.0 / (var + eps).sqrt();
+        x.iter().map(|v| (v - mean) * r).collect()
+    }
+
+    /// Bound on the errors, in float32 units of the result's scale (measured: at most 4.1 for
+    /// the forward, at n = 65536 with mean 1e4, and 3.7 for the backward, over the rows below).
+    const FORWARD_BOUND: f64 = 8.0;
+
+    #[test]
+    fn the_forward_is_within_a_few_ulps_of_float64_even_at_large_means() {
+        for n in [1usize, 3, 16, 100, 1024, 4097, 1 << 16] {
+            for (centre, spread) in [(0.0, 1.0), (3.0, 0.5), (1e4, 1.0), (1e6, 1.0), (-1e6, 10.0)] {
+                let x = row(n, n as u64, centre, spread);
+                let w = row(n, 7, 1.0, 0.5);
+                let b = row(n, 9, 0.0, 0.5);
+                let mut y = vec![0f32; n];
+                let s = forward_row::<f32, f32, f32>(&x, Some(&w), Some(&b), 1e-5, &mut y);
+                let (want, mean, r) = reference(&x, &w, &b, 1e-5);
+                if n == 1 {
+                    // One element: its deviation is 0, y the bias.
+                    assert_eq!(y, b);
+                    continue;
+                }
+                let e = error(&y, &want);
+                assert!(e <= FORWARD_BOUND, "n={n} mean {centre}: {e} ulps");
+                // The mean's error: its rounding, and the float32 block sums' against the
+                // spread.
+                let tol = (mean.abs() + spread) * f32::EPSILON as f64;
+                assert!(
+                    (s.mean as f64 - mean).abs() <= tol,
+                    "n={n} mean {centre}: mean"
+                );
+                assert!(
+                    (s.rstd as f64 - r).abs() <= 4.0 * r * f32::EPSILON as f64,
+                    "rstd"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_planted_naive_variance_fails_the_same_bound() {
+        let x = row(4096, 3, 1e4, 1.0);
+        let (want, _, _) = reference(&x, &vec![1.0; 4096], &[0.0; 4096], 1e-5);
+        let e = error(&naive_forward(&x, 1e-5), &want);
+        assert!(
+            e > 1000.0 * FORWARD_BOUND,
+            "the planted fault gave only {e} ulps"
+        );
+    }
+
+    #[test]
+    fn the_backward_matches_float64_and_takes_the_forwards_bits_either_way() {
+        for n in [2usize, 17, 1024, 5000] {
+            for centre in [0.0, 1e4, 1e6] {
+                let x = row(n, 11, centre, 1.0);
+                let w = row(n, 12, 1.0, 0.5);
+                let dy = row(n, 13, 0.0, 1.0);
+                let mut y = vec![0f32; n];
+                let s = forward_row::<f32, f32, f32>(&x, Some(&w), None, 1e-5, &mut y);
+                let mut dx = vec![0f32; n];
+                let mut acc = vec![0f64; 2 * n];
+                let given = Moments::Given {
+                    mean: &[s.mean],
+                    rstd: &[s.rstd],
+                };
+                backward_row::<f32, f32, f32>(
+                    &x,
+                    Some(&w),
+                    given,
+                    &dy,
+                    None,
+                    &mut dx,
+                    Some(&mut acc),
+                );
+                let mut dx2 = vec![0f32; n];
+                let mut acc2 = vec![0f64; 2 * n];
+                backward_row::<f32, f32, f32>(
+                    &x,
+                    Some(&w),
+                    Moments::FromX(1e-5),
+                    &dy,
+                    None,
+                    &mut dx2,
+                    Some(&mut acc2),
+                );
+                assert_eq!(dx, dx2, "n={n}: given statistics and statistics from x");
+                assert_eq!(acc, acc2);
+                // float64: dx = r * (g - mean(g) - xhat * mean(g * xhat)).
+                let (_, mean, r) = reference(&x, &w, &vec![0.0; n], 1e-5);
+                let nf = n as f64;
+                let xhat: Vec<f64> = x.iter().map(|&v| (v as f64 - mean) * r).collect();
+                let g: Vec<f64> = dy
+                    .iter()
+                    .zip(&w)
+                    .map(|(&d, &wi)| d as f64 * wi as f64)
+                    .collect();
+                let mg = g.iter().sum::<f64>() / nf;
+                let mgx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / nf;
+                let want: Vec<f64> = g
+                    .iter()
+                    .zip(&xhat)
+                    .map(|(gi, h)| r * (gi - mg - h * mgx))
+                    .collect();
+                // In units of the terms' scale, r * max |g| (dx itself can cancel to ~0: at
+                // n = 2 it is 0).
+                let scale = r * g.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let e = error_at(&dx, &want, scale);
+                assert!(
+                    e <= FORWARD_BOUND,
+                    "n={n} mean {centre}: dx off by {e} ulps"
+                );
+                for i in 0..n {
+                    assert!(
+                        (acc[i] - dy[i] as f64 * xhat[i]).abs() <= 1e-5 * (1.0 + xhat[i].abs())
+                    );
+                    assert_eq!(acc[n + i], dy[i] as f64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_and_non_finite_rows() {
+        let s = stats::<f32, f32>(&[], 1e-5);
+        assert!(s.mean.is_nan() && s.rstd.is_nan());
+        let mut y = [0f32; 3];
+        forward_row::<f32, f32, f32>(&[1.0, f32::NAN, 2.0], None::<&[f32]>, None, 1e-5, &mut y);
+        assert!(y.iter().all(|v| v.is_nan()));
+        forward_row::<f32, f32, f32>(
+            &[1.0, f32::INFINITY, 2.0],
+            None::<&[f32]>,
+            None,
+            1e-5,
+            &mut y,
+        );
+        assert!(y.iter().all(|v| v.is_nan()));
+        // A constant row: variance 0, y = 0 (not NaN), rstd = 1/sqrt(eps).
+        let s = forward_row::<f32, f32, f32>(&[5.0; 3], None::<&[f32]>, None, 1e-4, &mut y);
+        assert_eq!(y, [0.0; 3]);
+        assert!((s.rstd - 100.0).abs() < 1e-3);
+    }
+}
