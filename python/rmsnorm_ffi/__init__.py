@@ -7,7 +7,18 @@ built on this crate, and :func:`stats` reports the live-state registry (theirs i
 
 from rmsnorm_ffi._batched import batched_ffi_op
 from rmsnorm_ffi._export import deserialize, export, export_checks
-from rmsnorm_ffi._ops import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference, rms_norm_residual
+from rmsnorm_ffi._ops import (
+    layer_norm,
+    layer_norm_bwd,
+    layer_norm_fwd,
+    layer_norm_reference,
+    layer_norm_residual,
+    rms_norm,
+    rms_norm_bwd,
+    rms_norm_fwd,
+    rms_norm_reference,
+    rms_norm_residual,
+)
 from rmsnorm_ffi._registration import register, register_library, registered_libraries, registered_platforms
 from rmsnorm_ffi._stats import stats
 
@@ -16,6 +27,11 @@ __all__ = [
     "deserialize",
     "export",
     "export_checks",
+    "layer_norm",
+    "layer_norm_bwd",
+    "layer_norm_fwd",
+    "layer_norm_reference",
+    "layer_norm_residual",
     "register",
     "register_library",
     "registered_libraries",

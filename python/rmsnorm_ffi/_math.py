@@ -1,4 +1,4 @@
-"""The RMS norm's math in jnp, for the derivatives the Rust kernels do not compute.
+"""The norms' math in jnp, for the derivatives the Rust kernels do not compute.
 
 First-order reverse mode never runs this: it is the fused Rust backward. What runs here:
 
@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def stats_names(norm: str) -> tuple:
+    """A norm's per-row statistics, in the order the forward returns them (after y, and h)
+    and the backward takes them (src/handlers/contract.rs, `Norm::statistics`)."""
+    return ("mean", "rstd") if norm == "layer" else ("rstd",)
 
 
 def acc_dtype(dtype) -> jnp.dtype:
@@ -91,4 +97,96 @@ def reference(x, weight=None, eps: float = 1e-5, offset: float = 0.0):
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + jnp.asarray(eps, acc))
     if weight is not None:
         y = y * _rows(jnp.asarray(weight), x.ndim, acc, offset)
+    return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm: y = (x - mean) * rstd * (offset + w) + b
+
+
+def _centred(xf, mean):
+    """``x - mean(x)`` from the float32 (or float64) mean the kernels return: ``x - m``, less
+    the mean of that (the part of the true mean a rounded ``m`` cannot hold), as the kernels
+    centre a row (src/handlers/math/layer.rs). Depends on x alone, whatever ``m`` is."""
+    c = xf - mean.astype(xf.dtype)[..., None]
+    return c - jnp.mean(c, axis=-1, keepdims=True)
+
+
+def _summed(value, param_ndim: int, x_ndim: int):
+    """`value` (x's shape) summed over the rows a parameter of `param_ndim` dims is shared by."""
+    return jnp.sum(value, axis=tuple(range(param_ndim - 1, x_ndim - 1)))
+
+
+def layer_tangent(x, weight, bias, mean, rstd, tx, tw, tb, offset: float = 0.0):
+    """The tangents ``(ty, tmean, trstd)`` of LayerNorm's forward along ``(tx, tw, tb)``: with
+    ``c = x - mean``, ``tc = tx - mean(tx)``, ``dr = -r**3 * mean(c * tc)``,
+    ``ty = (tc * r + c * dr) * w + c * r * tw + tb``. Linear in the tangents."""
+    acc = acc_dtype(x.dtype)
+    xf, txf = x.astype(acc), tx.astype(acc)
+    r = rstd.astype(acc)[..., None]
+    c = _centred(xf, mean)
+    tm = jnp.mean(txf, axis=-1, keepdims=True)
+    tc = txf - tm
+    dr = -(r**3) * jnp.mean(c * tc, axis=-1, keepdims=True)
+    ty = tc * r + c * dr
+    w = _rows(weight, x.ndim, acc, offset)
+    if w is not None:
+        ty = ty * w
+        if tw is not None:
+            ty = ty + c * r * _rows(tw, x.ndim, acc)
+    if tb is not None:
+        ty = ty + _rows(tb, x.ndim, acc)
+    return ty.astype(x.dtype), tm[..., 0].astype(mean.dtype), dr[..., 0].astype(rstd.dtype)
+
+
+def layer_backward(x, weight, bias, mean, rstd, dy, offset: float = 0.0, dh=None):
+    """``(dx, dweight, dbias)`` of LayerNorm's forward, as the Rust backward computes them
+    (None for a parameter the call has not): ``g = dy * (offset + w)``, ``xhat = c * r``,
+    ``dx = r * (g - mean(g) - xhat * mean(g * xhat))`` plus ``dh`` before dx is rounded,
+    ``dweight = sum of dy * xhat``, ``dbias = sum of dy`` over the rows each is shared by."""
+    acc = acc_dtype(x.dtype)
+    xf, dyf = x.astype(acc), dy.astype(acc)
+    r = rstd.astype(acc)[..., None]
+    xhat = _centred(xf, mean) * r
+    w = _rows(weight, x.ndim, acc, offset)
+    g = dyf if w is None else dyf * w
+    dx = r * (g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    if dh is not None:
+        dx = dx + dh.astype(acc)
+    dw = None if weight is None else _summed(dyf * xhat, weight.ndim, x.ndim).astype(weight.dtype)
+    db = None if bias is None else _summed(dyf, bias.ndim, x.ndim).astype(bias.dtype)
+    return dx.astype(x.dtype), dw, db
+
+
+def stats_cotangent(norm: str, x, stats: tuple, cts: tuple):
+    """The cotangent of x from cotangents of the statistics (None where there is none): the
+    RMS norm's rstd (`rstd_cotangent`); LayerNorm's mean, ``ct / n`` for every element, and
+    rstd, ``-r**3 / n * (x - mean) * ct``."""
+    if norm == "rms":
+        (ct,), (rstd,) = cts, stats
+        return None if ct is None else rstd_cotangent(x, rstd, ct)
+    acc = acc_dtype(x.dtype)
+    (ct_mean, ct_rstd), (mean, rstd) = cts, stats
+    n = x.shape[-1]
+    out = jnp.zeros(x.shape, acc)
+    if ct_mean is not None:
+        out = out + (ct_mean.astype(acc) / n)[..., None]
+    if ct_rstd is not None:
+        r = rstd.astype(acc)
+        out = out + _centred(x.astype(acc), mean) * (-(r**3) * ct_rstd.astype(acc) / n)[..., None]
+    return out.astype(x.dtype)
+
+
+def layer_reference(x, weight=None, bias=None, eps: float = 1e-5, offset: float = 0.0):
+    """LayerNorm's forward in jnp as Flax computes it (float32 accumulation; float64 for
+    float64): ``mean``, ``var = mean((x - mean)**2)``, ``(x - mean) * rsqrt(var + eps) * w + b``."""
+    x = jnp.asarray(x)
+    acc = acc_dtype(x.dtype)
+    xf = x.astype(acc)
+    c = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    y = c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + jnp.asarray(eps, acc))
+    if weight is not None:
+        y = y * _rows(jnp.asarray(weight), x.ndim, acc, offset)
+    if bias is not None:
+        y = y + _rows(jnp.asarray(bias), x.ndim, acc)
     return y.astype(x.dtype)

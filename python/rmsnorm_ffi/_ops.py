@@ -1,4 +1,5 @@
-"""RMS norm ops: `rms_norm` (differentiable), `rms_norm_fwd` and `rms_norm_bwd`.
+"""The norm ops: `rms_norm` and `layer_norm` (differentiable), their `_fwd`, `_bwd` and fused
+`_residual` forms.
 
 Each op checks its inputs in Python (raising `TypeError`/`ValueError` that name the argument)
 before anything is lowered, then binds the primitives of `_primitives`, which own the
@@ -93,18 +94,19 @@ def _rows(a, k: int):
     return a if k == 1 else a.reshape(a.shape[: a.ndim - k] + (math.prod(a.shape[a.ndim - k:]),))
 
 
-def _check_weight(op: str, x, weight, k: int = 1):
-    """The weight checked against x's last `k` axes, with those merged (see `_rows`)."""
+def _check_weight(op: str, x, weight, k: int = 1, name: str = "weight"):
+    """The weight (or another operand shaped as one, `name`) checked against x's last `k`
+    axes, with those merged (see `_rows`)."""
     if weight is None:
         return None
-    weight = _check_array(op, "weight", weight)
+    weight = _check_array(op, name, weight)
     want = tuple(x.shape[x.ndim - k:])
     if weight.shape != want:
         axes = "last axis" if k == 1 else f"last {k} axes"
-        raise ValueError(f"{op}: weight must have shape {want} to match x's {axes}, got {tuple(weight.shape)}")
+        raise ValueError(f"{op}: {name} must have shape {want} to match x's {axes}, got {tuple(weight.shape)}")
     if (jnp.dtype(x.dtype), jnp.dtype(weight.dtype)) not in _PAIRS:
         accepted = ", ".join(str(w) for (xd, w) in _PAIRS if xd == jnp.dtype(x.dtype))
-        raise TypeError(f"{op}: weight must have one of the dtypes {accepted} with x of {x.dtype}, got {weight.dtype}")
+        raise TypeError(f"{op}: {name} must have one of the dtypes {accepted} with x of {x.dtype}, got {weight.dtype}")
     return weight.reshape(-1) if k > 1 else weight
 
 
@@ -145,7 +147,7 @@ def _check_eps(op: str, eps) -> float:
     return eps
 
 
-def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
+def _check_platform(op: str, target: str = FORWARD_TARGET, norm: str = "rms") -> None:
     platforms = register()
     backend = jax.default_backend()
     # JAX calls a CUDA backend "gpu"; its bundles are registered for platform "cuda".
@@ -155,6 +157,11 @@ def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
         raise NotImplementedError(
             f"{op}: no rmsnorm_ffi implementation for platform '{backend}' in this build "
             f"(available: {', '.join(platforms) or 'none'})"
+        )
+    if norm != "rms" and backend != "cpu":
+        raise NotImplementedError(
+            f"{op}: LayerNorm runs on the CPU in this build; the {backend} kernels are the RMS "
+            "norm's (use flax.linen.LayerNorm's jnp math there)"
         )
     if target not in registered_targets(backend):
         have = [p for p in platforms if target in registered_targets(p)]
@@ -198,7 +205,7 @@ def rms_norm_bwd(x, weight, rstd, dy, *, scale_offset=0.0, axis=-1):
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
     _check_platform(op, BACKWARD_TARGET)
-    dx, dweight = _primitives.backward(_rows(x, k), weight, rstd, _rows(dy, k), offset=offset)
+    dx, dweight, _ = _primitives.backward(_rows(x, k), weight, (rstd,), _rows(dy, k), offset=offset)
     return dx.reshape(x.shape), None if dweight is None else dweight.reshape(weight_shape)
 
 
@@ -224,7 +231,7 @@ def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, scale_offs
     eps = _check_eps(op, eps)
     offset = _check_scale_offset(op, scale_offset, weight)
     _check_platform(op, RESIDUAL_TARGET)
-    y, h, _ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset)
+    y, h, *_ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset)
     return y.reshape(x.shape), h.reshape(x.shape)
 
 
@@ -262,3 +269,125 @@ def rms_norm_reference(x, weight=None, eps: float = 1e-5, *, scale_offset=0.0, a
     k = _trailing_axes("rms_norm_reference", axis, x.ndim)
     w = None if weight is None else jnp.asarray(weight).reshape(-1)
     return _math.reference(_rows(x, k), w, eps, float(scale_offset)).reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm: the same targets, primitives and checks, with norm="layer"
+
+
+def _check_bias(op: str, x, bias, weight, k: int):
+    """The bias checked as a weight is (`_check_weight`), and of the weight's dtype when there
+    is one (the two are parameters of one module, and their gradients come back together)."""
+    bias = _check_weight(op, x, bias, k, name="bias")
+    if bias is not None and weight is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{op}: bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
+    return bias
+
+
+def _check_layer(op: str, x, weight, bias, eps, scale_offset, axis):
+    """x (rows merged), weight, bias, eps, offset and the trailing axes count, checked."""
+    x, k = _check_x(op, x, axis)
+    weight = _check_weight(op, x, weight, k)
+    bias = _check_bias(op, x, bias, weight, k)
+    return x, weight, bias, _check_eps(op, eps), _check_scale_offset(op, scale_offset, weight), k
+
+
+def layer_norm_fwd(x, weight=None, bias=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
+    """LayerNorm's forward: returns ``(y, mean, rstd)``, ``y = (x - mean) * rstd *
+    (scale_offset + weight) + bias`` with ``rstd = 1 / sqrt(var + eps)``; ``mean`` and ``rstd``
+    have x's shape without the normalized axes, in the accumulation dtype (float32, or float64
+    for float64 input). The variance is never ``E[x^2] - E[x]^2``: rows whose mean is large
+    against their spread keep their digits."""
+    op = "layer_norm_fwd"
+    x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
+    _check_platform(op, norm="layer")
+    y, mean, rstd = _primitives.forward(_rows(x, k), weight, eps, offset, bias=bias, norm="layer")
+    return y.reshape(x.shape), mean, rstd
+
+
+def layer_norm_bwd(x, weight, mean, rstd, dy, *, has_bias: bool = False, bias_dtype=None, scale_offset=0.0, axis=-1):
+    """LayerNorm's backward: returns ``(dx, dweight, dbias)``; ``dweight`` is None when
+    ``weight`` is None, ``dbias`` None unless ``has_bias`` (the bias's gradient does not depend
+    on the bias: it is shaped like the weight and typed like it, or ``bias_dtype`` without a
+    weight, x's dtype by default). ``mean`` and ``rstd`` as :func:`layer_norm_fwd` returns
+    them; a float32 mean loses nothing, as the backward takes the part of the mean it cannot
+    hold from x itself."""
+    op = "layer_norm_bwd"
+    x, k = _check_x(op, x, axis)
+    weight_shape = None if weight is None else jnp.shape(weight)
+    weight = _check_weight(op, x, weight, k)
+    offset = _check_scale_offset(op, scale_offset, weight)
+    dy = _check_array(op, "dy", dy)
+    acc = _acc_dtype(x.dtype)
+    lead = tuple(x.shape[: x.ndim - k])
+    stats = []
+    for name, value in (("mean", mean), ("rstd", rstd)):
+        value = _check_array(op, name, value)
+        if value.shape != lead or jnp.dtype(value.dtype) != acc:
+            raise ValueError(
+                f"{op}: {name} must have shape {lead} and dtype {acc}, got {tuple(value.shape)} {value.dtype}"
+            )
+        stats.append(value)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"{op}: dy must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(dy.shape)} {dy.dtype}")
+    bias = None
+    if has_bias:
+        dtype = weight.dtype if weight is not None else jnp.dtype(bias_dtype or x.dtype)
+        bias = _check_bias(op, x, jnp.zeros(x.shape[x.ndim - k:], dtype), weight, k)
+    _check_platform(op, BACKWARD_TARGET, norm="layer")
+    dx, dweight, dbias = _primitives.backward(
+        _rows(x, k), weight, tuple(stats), _rows(dy, k), offset=offset, norm="layer", bias=bias
+    )
+    param_shape = tuple(x.shape[x.ndim - k:])
+    return (
+        dx.reshape(x.shape),
+        None if dweight is None else dweight.reshape(weight_shape),
+        None if dbias is None else dbias.reshape(param_shape),
+    )
+
+
+def layer_norm_residual(x, residual, weight=None, bias=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
+    """The residual add fused with LayerNorm, as :func:`rms_norm_residual` with the RMS norm:
+    returns ``(y, h)`` with ``h = x + residual`` (rounded to x's dtype) and ``y =
+    layer_norm(h, weight, bias, eps)``, differentiable in x, the residual, the weight and the
+    bias, the gradient reaching x being the norm's plus h's, rounded once."""
+    op = "layer_norm_residual"
+    x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
+    residual = _check_array(op, "residual", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+    _check_platform(op, RESIDUAL_TARGET, norm="layer")
+    y, h, *_ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset, bias=bias, norm="layer")
+    return y.reshape(x.shape), h.reshape(x.shape)
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
+    """LayerNorm over the last axis (or the trailing axes ``axis`` names):
+    ``(x - mean) / sqrt(var + eps) * (scale_offset + weight) + bias``.
+
+    The same contract as :func:`rms_norm`: ``weight`` and ``bias`` have the normalized axes'
+    shape and any float dtype that pairs with x's (the bias the weight's, when both are
+    given); accumulation in float32 (float64 for float64 input); the result has x's shape and
+    dtype. Differentiable in x, weight and bias in both modes and to any order (first-order
+    reverse mode is the fused Rust backward); works under ``jit``, ``vmap`` and meshes whose
+    rows are sharded. The variance is a two-pass one over the cached row (never
+    ``E[x^2] - E[x]^2``), so rows whose mean is 1e6 times their spread keep their digits.
+    CPU only in this build.
+    """
+    op = "layer_norm"
+    x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
+    _check_platform(op, norm="layer")
+    return _primitives.forward(_rows(x, k), weight, eps, offset, bias=bias, norm="layer")[0].reshape(x.shape)
+
+
+def layer_norm_reference(x, weight=None, bias=None, eps: float = 1e-5, *, scale_offset=0.0, axis=-1):
+    """LayerNorm in jnp, as Flax computes it (float32 accumulation; float64 for float64), for
+    tests and benchmarks."""
+    x = jnp.asarray(x)
+    k = _trailing_axes("layer_norm_reference", axis, x.ndim)
+    w = None if weight is None else jnp.asarray(weight).reshape(-1)
+    b = None if bias is None else jnp.asarray(bias).reshape(-1)
+    return _math.layer_reference(_rows(x, k), w, b, eps, float(scale_offset)).reshape(x.shape)

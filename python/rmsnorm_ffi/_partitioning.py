@@ -28,6 +28,7 @@ gets the same shardings from `infer_sharding_from_operands`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,12 +38,51 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rmsnorm_ffi import _hidden
-from rmsnorm_ffi._math import acc_dtype
+from rmsnorm_ffi import _hidden, _native
+from rmsnorm_ffi._math import acc_dtype, stats_names
 
 FORWARD_TARGET = "rmsnorm_fwd"
 BACKWARD_TARGET = "rmsnorm_bwd"
 RESIDUAL_TARGET = "rmsnorm_residual_fwd"
+# The `norm` attribute's values (src/handlers/contract.rs, `Norm`).
+_NORM_VALUES = {name: d["value"] for name, d in _native.contract()["norms"].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """Which operands a call has, and which norm it computes (static: one partitioned function
+    per form). Operand orders: forward ``(x, [residual], [weight], [bias])`` ->
+    ``(y, [h], *stats)``; backward ``(x, [weight], [bias], *stats, dy, [dh])`` ->
+    ``(dx, [dweight], [dbias])`` (the bias only shapes its gradient: the Rust call does not
+    read it). ``stats`` are the norm's per-row statistics (`stats_names`)."""
+
+    norm: str = "rms"
+    has_weight: bool = False
+    has_bias: bool = False
+    residual: bool = False
+    has_dh: bool = False
+
+    @property
+    def stats(self) -> tuple:
+        return stats_names(self.norm)
+
+    @property
+    def params(self) -> tuple:
+        """The weight-shaped operands, in order."""
+        return ("w",) * self.has_weight + ("b",) * self.has_bias
+
+    def forward_layout(self) -> tuple:
+        return ("x",) + ("res",) * self.residual + self.params
+
+    def backward_layout(self) -> tuple:
+        return ("x", *self.params, *self.stats, "dy") + ("dh",) * self.has_dh
+
+    def attrs(self) -> dict:
+        """The norm's attributes: none for the RMS norm (the form every call had before
+        LayerNorm, so exported programs keep their bytes)."""
+        if self.norm == "rms":
+            return {}
+        return {"norm": np.int64(_NORM_VALUES[self.norm]), "has_bias": self.has_bias}
 
 
 def _struct(like, shape, dtype, typed: bool):
@@ -64,57 +104,69 @@ def _offset_attrs(offset: float) -> dict:
     return {"scale_offset": np.float32(offset)} if offset else {}
 
 
-def _forward_call(x, weight, eps: float, typed: bool = True, residual=None, offset: float = 0.0):
-    """``(y, rstd)``; with a residual, the fused ``(y, h, rstd)`` of ``h = x + residual``."""
+def _forward_call(x, weight, eps: float, typed: bool = True, residual=None, offset: float = 0.0,
+                  bias=None, norm: str = "rms"):
+    """``(y, *stats)``; with a residual, the fused ``(y, h, *stats)`` of ``h = x + residual``."""
     x_like = _struct(x, x.shape, x.dtype, typed)
     rows = _struct(x, x.shape[:-1], acc_dtype(x.dtype), typed)
+    stats = (rows,) * len(stats_names(norm))
     if residual is None:
-        call = jax.ffi.ffi_call(FORWARD_TARGET, (x_like, rows))
+        call = jax.ffi.ffi_call(FORWARD_TARGET, (x_like, *stats))
         args = (x,)
     else:
-        call = jax.ffi.ffi_call(RESIDUAL_TARGET, (x_like, x_like, rows))
+        call = jax.ffi.ffi_call(RESIDUAL_TARGET, (x_like, x_like, *stats))
         args = (x, residual)
-    args += () if weight is None else (weight,)
+    args += tuple(p for p in (weight, bias) if p is not None)
+    form = Form(norm, weight is not None, bias is not None)
     out = call(
         *args,
         eps=np.float32(eps),
         has_weight=weight is not None,
         row_len=np.int64(x.shape[-1]),
         **_offset_attrs(offset),
+        **form.attrs(),
     )
     return tuple(out)
 
 
-def _backward_call(x, weight, rstd, dy, eps, typed: bool = True, offset: float = 0.0, dh=None):
-    """``(dx, dweight)``. With ``eps`` (not None), ``rstd`` is the forward's of x with that eps
-    (as the VJP passes it), and on CPU the call takes it itself from x and eps instead of
-    reading it: the same bits, from rows the backward reads anyway. Then nothing in a program
-    that only wants gradients reads the forward's results, and XLA drops the forward call. On
-    CUDA the kernels read ``rstd``. With ``dh`` (x's shape and dtype), dx is the norm's
-    gradient plus dh, rounded once (the fused residual add's backward)."""
+def _backward_call(x, weight, stats, dy, eps, typed: bool = True, offset: float = 0.0, dh=None,
+                   norm: str = "rms", bias=None):
+    """``(dx, dweight, dbias)`` (None for those the call has not). With ``eps`` (not None),
+    ``stats`` are the forward's of x with that eps (as the VJP passes them), and on CPU the call
+    takes them itself from x and eps instead of reading them: the same bits, from rows the
+    backward reads anyway. Then nothing in a program that only wants gradients reads the
+    forward's results, and XLA drops the forward call. On CUDA the kernels read them. With
+    ``dh`` (x's shape and dtype), dx is the norm's gradient plus dh, rounded once (the fused
+    residual add's backward). ``bias`` only shapes dbias."""
     results = [_struct(x, x.shape, x.dtype, typed)]
-    if weight is not None:
-        results.append(_struct(weight, weight.shape, weight.dtype, typed))
+    params = [p for p in (weight, bias) if p is not None]
+    results += [_struct(p, p.shape, p.dtype, typed) for p in params]
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results))
+    form = Form(norm, weight is not None, bias is not None)
     attrs = dict(has_weight=weight is not None, row_len=np.int64(x.shape[-1]), **_offset_attrs(offset))
+    attrs.update(form.attrs())
     if dh is not None:
         attrs["has_dh"] = True
     w = () if weight is None else (weight,)
     extra = () if dh is None else (dh,)
+    k = len(stats)
 
-    # The weight and dh travel after (x, rstd, dy), which platform_dependent takes positionally.
-    def given(x, rstd, dy, *rest):
-        return tuple(call(x, *rest[: len(w)], rstd, dy, *rest[len(w):], **attrs))
+    # platform_dependent takes its operands positionally: (x, dy, *stats, *w, *extra).
+    def given(x, dy, *rest):
+        return tuple(call(x, *rest[k: k + len(w)], *rest[:k], dy, *rest[k + len(w):], **attrs))
 
     if eps is None:
-        out = given(x, rstd, dy, *w, *extra)
+        out = given(x, dy, *stats, *w, *extra)
     else:
 
-        def from_x(x, rstd, dy, *rest):
-            return tuple(call(x, *rest[: len(w)], dy, *rest[len(w):], eps=np.float32(eps), **attrs))
+        def from_x(x, dy, *rest):
+            return tuple(call(x, *rest[k: k + len(w)], dy, *rest[k + len(w):], eps=np.float32(eps), **attrs))
 
-        out = jax.lax.platform_dependent(x, rstd, dy, *w, *extra, cpu=from_x, default=given)
-    return (out[0], None) if weight is None else (out[0], out[1])
+        out = jax.lax.platform_dependent(x, dy, *stats, *w, *extra, cpu=from_x, default=given)
+    dx, rest = out[0], list(out[1:])
+    dw = rest.pop(0) if weight is not None else None
+    db = rest.pop(0) if bias is not None else None
+    return dx, dw, db
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,11 +195,14 @@ def _named(mesh, *entries) -> NamedSharding:
     return NamedSharding(mesh, P(*entries))
 
 
-def _hidden_axes(mesh, x_shape) -> tuple:
+def _hidden_axes(mesh, x_shape, form: Form = Form()) -> tuple:
     """The mesh axes that shard x's last (normalized) axis, when the rows are split over them
     (`_hidden`'s per-shard math); () when each device holds whole rows. A last axis that does
     not divide evenly over its devices gives () too: it is gathered (XLA would pad it, and
-    padding inside a row would have to be masked out of every sum; not done)."""
+    padding inside a row would have to be masked out of every sum; not done). LayerNorm has no
+    split-row path yet: its rows are gathered."""
+    if form.norm != "rms":
+        return ()
     axes = _axes(_spec(x_shape.sharding.spec, len(x_shape.shape))[-1])
     shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if shards == 1 or x_shape.shape[-1] % shards:
@@ -178,64 +233,77 @@ def _scattered_axes(weight_shape, summed: tuple) -> tuple:
     return axes if axes and set(axes) <= set(summed) else ()
 
 
-def _forward_shardings(mesh, arg_shapes, residual: bool = False):
-    """Operands x, [residual], [weight]; results y, [h], rstd. The last axis of x-like values
-    and of the weight is sharded over the hidden axes (see `_hidden_axes`) or whole."""
+def _param_shardings(mesh, arg_shapes, layout: tuple, rows: tuple, hidden) -> dict:
+    """The shardings of the weight-shaped operands ("w", "b") of an operand `layout`: their batch
+    dimensions like x's rows, their last axis like x's (`hidden`) or whole."""
+    return {
+        role: _named(mesh, *rows[: _weight_batch(shape)], hidden)
+        for role, shape in zip(layout, arg_shapes)
+        if role in ("w", "b")
+    }
+
+
+def _forward_shardings(mesh, arg_shapes, form: Form):
+    """Operands x, [residual], [weight], [bias]; results y, [h], *stats. The last axis of x-like
+    values and of the weight and bias is sharded over the hidden axes (see `_hidden_axes`) or
+    whole."""
     rows = _row_spec(arg_shapes[0])
-    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
-    x_like = 1 + residual
-    args = [_named(mesh, *rows, hidden)] * x_like
-    if len(arg_shapes) > x_like:
-        args.append(_named(mesh, *rows[: _weight_batch(arg_shapes[x_like])], hidden))
-    return tuple(args), (_named(mesh, *rows, hidden),) * x_like + (_named(mesh, *rows),)
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0], form))
+    x_sharding = _named(mesh, *rows, hidden)
+    layout = form.forward_layout()
+    params = _param_shardings(mesh, arg_shapes, layout, rows, hidden)
+    args = tuple(params.get(role, x_sharding) for role in layout)
+    x_like = 1 + form.residual
+    return args, (x_sharding,) * x_like + (_named(mesh, *rows),) * len(form.stats)
 
 
-def _backward_has(arg_shapes, has_dh: bool) -> bool:
-    """Whether a backward's operands (x, [weight], rstd, dy, [dh]) include a weight."""
-    return len(arg_shapes) == 4 + has_dh
-
-
-def _backward_shardings(mesh, arg_shapes, has_dh: bool = False):
-    has_weight = _backward_has(arg_shapes, has_dh)
+def _backward_shardings(mesh, arg_shapes, form: Form):
+    """Operands as `Form.backward_layout`; results dx, [dweight], [dbias], each gradient
+    sharded like its parameter's batch dimensions and last axis (split like x's), or, with
+    whole rows, reduce-scattered where the parameter is sharded along the axes summed over."""
     rows = _row_spec(arg_shapes[0])
-    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0], form))
     x_sharding, rows_sharding = _named(mesh, *rows, hidden), _named(mesh, *rows)
+    layout = form.backward_layout()
+    params = _param_shardings(mesh, arg_shapes, layout, rows, hidden)
+    args = tuple(params.get(role, rows_sharding if role in form.stats else x_sharding) for role in layout)
     results = [x_sharding]
-    if has_weight:
-        k = _weight_batch(arg_shapes[1])
-        w_sharding = _named(mesh, *rows[:k], hidden)
-        args = [x_sharding, w_sharding, rows_sharding, x_sharding]
+    for role, shape in zip(layout, arg_shapes):
+        if role not in params:
+            continue
         if hidden is not None:
-            # dweight stays split like x's last axis (summed, not scattered, over the rows).
-            results.append(w_sharding)
+            # The gradient stays split like x's last axis (summed, not scattered, over the rows).
+            results.append(params[role])
         else:
-            scattered = _scattered_axes(arg_shapes[1], _summed_axes(mesh, rows, k))
+            k = _weight_batch(shape)
+            scattered = _scattered_axes(shape, _summed_axes(mesh, rows, k))
             results.append(_named(mesh, *rows[:k], scattered or None))
-    else:
-        args = [x_sharding, rows_sharding, x_sharding]
-    args += [x_sharding] * has_dh
-    return tuple(args), tuple(results)
+    return args, tuple(results)
 
 
-def _shardy_rule(value_types, n_weight_batch: int | None, kind: str, has_dh: bool = False):
+def _shardy_rule(value_types, form: Form, kind: str):
     """One factor per row dimension (r0, r1, ...), ``n`` for x's last axis and a factor of its
-    own, ``m``, for the weight's (and dweight's): a sharded weight (FSDP, or along a model axis)
-    then does not propagate its sharding into x, y or dy through this op. Neither must be
-    replicated: a sharded ``n`` runs the hidden-axis path (the partition callback gathers it
-    only when it does not divide evenly), and the callback reshards the weight to what it
-    needs (its last axis split like x's, or whole), so a weight already split like x's last
-    axis arrives without moving."""
+    own for the weight's (``m``) and the bias's (``c``), and their gradients': a sharded weight
+    (FSDP, or along a model axis) then does not propagate its sharding into x, y or dy through
+    this op. Neither must be replicated: a sharded ``n`` runs the hidden-axis path (the
+    partition callback gathers it only when it does not divide evenly), and the callback
+    reshards the weight to what it needs (its last axis split like x's, or whole), so a weight
+    already split like x's last axis arrives without moving."""
     rank = len(value_types[0].shape)
     rows = tuple(f"r{i}" for i in range(rank - 1))
     x, r = ArrayMapping(*rows, "n"), ArrayMapping(*rows)
-    w = None if n_weight_batch is None else ArrayMapping(*rows[:n_weight_batch], "m")
+    layout = form.backward_layout() if kind == "backward" else form.forward_layout()
+    factor = {"w": "m", "b": "c"}
+    mappings = {
+        role: ArrayMapping(*rows[: len(shape.shape) - 1], factor[role])
+        for role, shape in zip(layout, value_types)
+        if role in factor
+    }
+    operands = tuple(mappings.get(role, r if role in form.stats else x) for role in layout)
     if kind == "backward":
-        operands = ((x, r, x) if w is None else (x, w, r, x)) + (x,) * has_dh
-        results = (x,) if w is None else (x, w)
+        results = (x, *(mappings[p] for p in form.params))
     else:
-        x_like = (x, x) if kind == "residual" else (x,)
-        operands = x_like if w is None else (*x_like, w)
-        results = (*x_like, r)
+        results = (x,) * (1 + form.residual) + (r,) * len(form.stats)
     return SdyShardingRule(operands, results)
 
 
@@ -260,15 +328,16 @@ def _row_mask(mesh, x_global_shape, rows: tuple, x_local):
     return mask
 
 
-def _masked(mask, x, rstd, dy, dh=None):
-    """Padding rows set to zero in x, rstd, dy and dh: they then add nothing to the weight
-    gradient (even with eps=0, where the padding's rstd would be inf) and their dx is zero."""
+def _masked(mask, x, stats: tuple, dy, dh=None):
+    """Padding rows set to zero in x, the statistics, dy and dh: they then add nothing to the
+    weight and bias gradients (even with eps=0, where the padding's rstd would be inf) and
+    their dx is zero."""
     if mask is None:
-        return x, rstd, dy, dh
+        return x, stats, dy, dh
     keep = mask[..., None]
     return (
         jnp.where(keep, x, jnp.zeros((), x.dtype)),
-        jnp.where(mask, rstd, jnp.zeros((), rstd.dtype)),
+        tuple(jnp.where(mask, s, jnp.zeros((), s.dtype)) for s in stats),
         jnp.where(keep, dy, jnp.zeros((), dy.dtype)),
         None if dh is None else jnp.where(keep, dh, jnp.zeros((), dh.dtype)),
     )
@@ -278,74 +347,81 @@ def _masked(mask, x, rstd, dy, dh=None):
 # The four partitioned calls
 
 
-def _per_shard_forward(eps, residual: bool, offset: float = 0.0, hidden: tuple = (), n: int = 0):
+def _per_shard_forward(eps, form: Form, offset: float = 0.0, hidden: tuple = (), n: int = 0):
     """The forward one device runs on its shard: the Rust call on whole rows, or with `hidden`
     (the mesh axes that split the rows, `n` their global length) `_hidden.forward`."""
-    if hidden:
-        if residual:
-            return lambda x, res, *w: _hidden.forward(x, w[0] if w else None, eps, offset, hidden, n, residual=res)
-        return lambda x, *w: _hidden.forward(x, w[0] if w else None, eps, offset, hidden, n)
-    if residual:
-        return lambda x, res, *w: _forward_call(
-            x, w[0] if w else None, eps, typed=False, residual=res, offset=offset
-        )
-    return lambda x, *w: _forward_call(x, w[0] if w else None, eps, typed=False, offset=offset)
-
-
-def _forward_partition(eps, residual, offset, mesh, arg_shapes, result_shape):
-    args, results = _forward_shardings(mesh, arg_shapes, residual)
-    x = arg_shapes[0]
-    per_shard = _per_shard_forward(eps, residual, offset, _hidden_axes(mesh, x), x.shape[-1])
-    return mesh, per_shard, results, args
-
-
-def _per_shard_backward(mesh, arg_shapes, eps, offset: float = 0.0, has_dh: bool = False):
-    """The backward one device runs on its shard: the call on its rows (padding masked), then
-    the weight gradient summed (or reduce-scattered) over the mesh axes that shard the rows.
-    When the rows themselves are split (`_hidden_axes`), `_hidden.backward` instead, its
-    weight gradient summed over the row axes and left split like x's last axis."""
-    has_weight = _backward_has(arg_shapes, has_dh)
-    rows = _row_spec(arg_shapes[0])
-    x_global = arg_shapes[0].shape
-    hidden = _hidden_axes(mesh, arg_shapes[0])
-    if has_weight:
-        summed = _summed_axes(mesh, rows, _weight_batch(arg_shapes[1]))
-        scattered = _scattered_axes(arg_shapes[1], summed)
-    else:
-        summed = scattered = ()
+    layout = form.forward_layout()
 
     def run(*operands):
-        dh = operands[-1] if has_dh else None
-        operands = operands[: len(operands) - has_dh]
-        x, weight, rstd, dy = operands if has_weight else (operands[0], None, *operands[1:])
-        mask = _row_mask(mesh, x_global, rows, x)
-        x, rstd, dy, dh = _masked(mask, x, rstd, dy, dh)
-        # Padding rows have a masked rstd, which x (zero there) and eps=0 would not give.
+        o = dict(zip(layout, operands))
         if hidden:
-            dx, dw = _hidden.backward(
-                x, weight, rstd, dy, eps if mask is None else None, offset, hidden, x_global[-1], summed, dh
-            )
-            return (dx,) if dw is None else (dx, dw)
-        dx, dw = _backward_call(
-            x, weight, rstd, dy, eps if mask is None else None, typed=False, offset=offset, dh=dh
+            return _hidden.forward(o["x"], o.get("w"), eps, offset, hidden, n, residual=o.get("res"))
+        return _forward_call(
+            o["x"], o.get("w"), eps, typed=False, residual=o.get("res"), offset=offset, bias=o.get("b"),
+            norm=form.norm,
         )
-        if not has_weight:
-            return (dx,)
-        if scattered:
-            rest = tuple(a for a in summed if a not in scattered)
-            if rest:
-                dw = jax.lax.psum(dw, rest)
-            dw = jax.lax.psum_scatter(dw, scattered, scatter_dimension=dw.ndim - 1, tiled=True)
-        elif summed:
-            dw = jax.lax.psum(dw, summed)
-        return dx, dw
 
     return run
 
 
-def _backward_partition(eps, offset, has_dh, mesh, arg_shapes, result_shape):
-    args, results = _backward_shardings(mesh, arg_shapes, has_dh)
-    return mesh, _per_shard_backward(mesh, arg_shapes, eps, offset, has_dh), results, args
+def _forward_partition(eps, offset, form, mesh, arg_shapes, result_shape):
+    args, results = _forward_shardings(mesh, arg_shapes, form)
+    x = arg_shapes[0]
+    per_shard = _per_shard_forward(eps, form, offset, _hidden_axes(mesh, x, form), x.shape[-1])
+    return mesh, per_shard, results, args
+
+
+def _per_shard_backward(mesh, arg_shapes, eps, form: Form, offset: float = 0.0):
+    """The backward one device runs on its shard: the call on its rows (padding masked), then
+    the weight and bias gradients summed (or reduce-scattered) over the mesh axes that shard
+    the rows. When the rows themselves are split (`_hidden_axes`), `_hidden.backward`
+    instead, its weight gradient summed over the row axes and left split like x's last axis."""
+    layout = form.backward_layout()
+    rows = _row_spec(arg_shapes[0])
+    x_global = arg_shapes[0].shape
+    hidden = _hidden_axes(mesh, arg_shapes[0], form)
+    reductions = {}
+    for role, shape in zip(layout, arg_shapes):
+        if role in ("w", "b"):
+            summed = _summed_axes(mesh, rows, _weight_batch(shape))
+            reductions[role] = (summed, _scattered_axes(shape, summed))
+
+    def reduce(role, grad):
+        summed, scattered = reductions[role]
+        if hidden:
+            return grad  # `_hidden.backward` summed it over the row axes
+        if scattered:
+            rest = tuple(a for a in summed if a not in scattered)
+            if rest:
+                grad = jax.lax.psum(grad, rest)
+            return jax.lax.psum_scatter(grad, scattered, scatter_dimension=grad.ndim - 1, tiled=True)
+        return jax.lax.psum(grad, summed) if summed else grad
+
+    def run(*operands):
+        o = dict(zip(layout, operands))
+        x, stats, dy, dh = o["x"], tuple(o[s] for s in form.stats), o["dy"], o.get("dh")
+        mask = _row_mask(mesh, x_global, rows, x)
+        x, stats, dy, dh = _masked(mask, x, stats, dy, dh)
+        # Padding rows have masked statistics, which x (zero there) and eps would not give.
+        eps_ = eps if mask is None else None
+        if hidden:
+            dx, dw = _hidden.backward(
+                x, o.get("w"), stats[-1], dy, eps_, offset, hidden, x_global[-1], reductions["w"][0] if "w" in o else (), dh
+            )
+            db = None
+        else:
+            dx, dw, db = _backward_call(
+                x, o.get("w"), stats, dy, eps_, typed=False, offset=offset, dh=dh, norm=form.norm, bias=o.get("b")
+            )
+        grads = {"w": dw, "b": db}
+        return (dx, *(reduce(p, grads[p]) for p in form.params))
+
+    return run
+
+
+def _backward_partition(eps, offset, form, mesh, arg_shapes, result_shape):
+    args, results = _backward_shardings(mesh, arg_shapes, form)
+    return mesh, _per_shard_backward(mesh, arg_shapes, eps, form, offset), results, args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,19 +456,20 @@ def _shard_mapped(per_shard, operands, shardings):
     )(*operands)
 
 
-def explicit_forward(operands, eps, out_avals, residual: bool = False, offset: float = 0.0):
+def explicit_forward(operands, eps, out_avals, form: Form, offset: float = 0.0):
     shapes = [jax.typeof(o) for o in operands]
     mesh = shapes[0].sharding.mesh
-    shardings = _forward_shardings(mesh, shapes, residual)
-    per_shard = _per_shard_forward(eps, residual, offset, _hidden_axes(mesh, shapes[0]), shapes[0].shape[-1])
+    shardings = _forward_shardings(mesh, shapes, form)
+    hidden = _hidden_axes(mesh, shapes[0], form)
+    per_shard = _per_shard_forward(eps, form, offset, hidden, shapes[0].shape[-1])
     return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
 
 
-def explicit_backward(operands, eps, out_avals, offset: float = 0.0, has_dh: bool = False):
+def explicit_backward(operands, eps, out_avals, form: Form, offset: float = 0.0):
     shapes = [jax.typeof(o) for o in operands]
     mesh = shapes[0].sharding.mesh
-    per_shard = _per_shard_backward(mesh, shapes, eps, offset, has_dh)
-    outs = _shard_mapped(per_shard, operands, _backward_shardings(mesh, shapes, has_dh))
+    per_shard = _per_shard_backward(mesh, shapes, eps, form, offset)
+    outs = _shard_mapped(per_shard, operands, _backward_shardings(mesh, shapes, form))
     return _typed_like(outs, out_avals)
 
 
@@ -406,79 +483,65 @@ def _typed_like(values, avals):
     return tuple(out)
 
 
-def _make_forward(has_weight: bool, residual: bool):
-    # custom_partitioning takes positional operands and static arguments: one function per
-    # operand list.
-    if residual and has_weight:
+def _make_forward(form: Form):
+    operands = len(form.forward_layout())
 
-        def forward(x, res, weight, eps, residual, offset):
-            return _forward_call(x, weight, eps, residual=res, offset=offset)
+    def forward(*args):
+        o = dict(zip(form.forward_layout(), args[:operands]))
+        eps, offset, _ = args[operands:]
+        return _forward_call(
+            o["x"], o.get("w"), eps, residual=o.get("res"), offset=offset, bias=o.get("b"), norm=form.norm
+        )
 
-    elif residual:
-
-        def forward(x, res, eps, residual, offset):
-            return _forward_call(x, None, eps, residual=res)
-
-    elif has_weight:
-
-        def forward(x, weight, eps, residual, offset):
-            return _forward_call(x, weight, eps, offset=offset)
-
-    else:
-
-        def forward(x, eps, residual, offset):
-            return _forward_call(x, None, eps)
-
-    operands = 1 + residual + has_weight
-    weight_index = 1 + residual
-    kind = "residual" if residual else "forward"
+    # custom_partitioning takes positional operands and static arguments: one function per form.
     fn = custom_partitioning(forward, static_argnums=(operands, operands + 1, operands + 2))
     fn.def_partition(
         partition=_forward_partition,
-        infer_sharding_from_operands=lambda eps, residual, offset, mesh, arg_shapes, result_shape: _forward_shardings(
-            mesh, arg_shapes, residual
+        infer_sharding_from_operands=lambda eps, offset, form, mesh, arg_shapes, result_shape: _forward_shardings(
+            mesh, arg_shapes, form
         )[1],
-        sharding_rule=lambda eps, residual, offset, mesh, value_types, result_types: _shardy_rule(
-            value_types, len(value_types[weight_index].shape) - 1 if has_weight else None, kind
+        sharding_rule=lambda eps, offset, form, mesh, value_types, result_types: _shardy_rule(
+            value_types, form, "forward"
         ),
     )
-    return lambda *args, eps, offset=0.0: fn(*args, eps, residual, offset)
+    return lambda *args, eps, offset=0.0: fn(*args, eps, offset, form)
 
 
-def _make_backward(has_weight: bool, has_dh: bool):
-    operands = 3 + has_weight + has_dh
+def _make_backward(form: Form):
+    operands = len(form.backward_layout())
 
     def backward(*args):
-        values, (eps, offset, _) = args[:operands], args[operands:]
-        dh = values[-1] if has_dh else None
-        values = values[: operands - has_dh]
-        x, weight, rstd, dy = values if has_weight else (values[0], None, *values[1:])
-        dx, dw = _backward_call(x, weight, rstd, dy, eps, offset=offset, dh=dh)
-        return (dx, dw) if has_weight else (dx,)
+        o = dict(zip(form.backward_layout(), args[:operands]))
+        eps, offset, _ = args[operands:]
+        dx, dw, db = _backward_call(
+            o["x"], o.get("w"), tuple(o[s] for s in form.stats), o["dy"], eps, offset=offset, dh=o.get("dh"),
+            norm=form.norm, bias=o.get("b"),
+        )
+        return (dx, *({"w": dw, "b": db}[p] for p in form.params))
 
     fn = custom_partitioning(backward, static_argnums=(operands, operands + 1, operands + 2))
     fn.def_partition(
         partition=_backward_partition,
-        infer_sharding_from_operands=lambda eps, offset, has_dh, mesh, arg_shapes, result_shape: _backward_shardings(
-            mesh, arg_shapes, has_dh
+        infer_sharding_from_operands=lambda eps, offset, form, mesh, arg_shapes, result_shape: _backward_shardings(
+            mesh, arg_shapes, form
         )[1],
-        sharding_rule=lambda eps, offset, has_dh, mesh, value_types, result_types: _shardy_rule(
-            value_types, len(value_types[1].shape) - 1 if has_weight else None, "backward", has_dh
+        sharding_rule=lambda eps, offset, form, mesh, value_types, result_types: _shardy_rule(
+            value_types, form, "backward"
         ),
     )
-    return fn
+    return lambda *args, eps, offset=0.0: fn(*args, eps, offset, form)
 
 
 @functools.cache
-def partitioned_forward(has_weight: bool, residual: bool = False):
-    """``f(x, [residual], [weight], eps=...) -> (y, [h], rstd)``, partitioned as the module
-    docstring says."""
-    return _make_forward(has_weight, residual)
+def partitioned_forward(form: Form):
+    """``f(x, [residual], [weight], [bias], eps=..., offset=...) -> (y, [h], *stats)``,
+    partitioned as the module docstring says."""
+    return _make_forward(form)
 
 
 @functools.cache
-def partitioned_backward(has_weight: bool, has_dh: bool = False):
-    """``f(x, [weight], rstd, dy, [dh], eps=..., offset=...) -> (dx, [dweight])``, partitioned
-    as the module docstring says (``eps``, ``dh``: see `_backward_call`)."""
-    fn = _make_backward(has_weight, has_dh)
-    return lambda *args, eps, offset=0.0: fn(*args, eps, offset, has_dh)
+def partitioned_backward(form: Form):
+    """``f(x, [weight], [bias], *stats, dy, [dh], eps=..., offset=...) -> (dx, [dweight],
+    [dbias])``, partitioned as the module docstring says (``eps``, ``dh``: see
+    `_backward_call`)."""
+    return _make_backward(form)

@@ -1,4 +1,9 @@
-"""The RMS norm as three JAX primitives that own every transformation rule.
+"""The norms as four JAX primitives that own every transformation rule.
+
+Each primitive computes either norm: its ``norm`` parameter ("rms" or "layer") is the
+`norm` attribute of the Rust targets. The RMS norm's per-row statistics are ``(rstd,)``,
+LayerNorm's ``(mean, rstd)`` (`_math.stats_names`), and LayerNorm may have a bias
+(``has_bias``), which travels after the weight. Below, "rstd" stands for the statistics.
 
 - ``rmsnorm_fwd``: ``(x, [weight]) -> (y, rstd)``, lowered to the Rust forward.
 - ``rmsnorm_bwd``: ``(x, [weight], rstd, dy) -> (dx, [dweight])``, lowered to the fused Rust
@@ -50,6 +55,31 @@ for _p in (forward_p, backward_p, tangent_p, residual_p):
 
 
 # ---------------------------------------------------------------------------------------------
+# Operand layouts
+
+
+def _form(params, residual: bool = False) -> _partitioning.Form:
+    """The operands of a call of these `params` (see `_partitioning.Form`)."""
+    return _partitioning.Form(
+        norm=params.get("norm", "rms"),
+        has_weight=params["has_weight"],
+        has_bias=params.get("has_bias", False),
+        residual=residual,
+        has_dh=params.get("has_dh", False),
+    )
+
+
+def _tangent_layout(form) -> tuple:
+    """``rmsnorm_tangent``'s operands: the primals (x, [weight], [bias], *stats), then the
+    tangents of x and of each parameter."""
+    return ("x", *form.params, *form.stats, "tx", *("t" + p for p in form.params))
+
+
+def _roles(values, layout) -> dict:
+    return dict(zip(layout, values))
+
+
+# ---------------------------------------------------------------------------------------------
 # Binding: operands on the same varying manual axes
 
 
@@ -71,48 +101,58 @@ def _aligned(*values):
     return out
 
 
-def forward(x, weight, eps: float, offset: float = 0.0):
-    """``(y, rstd)``; the weight applied is ``offset + weight``."""
-    args = (x,) if weight is None else (x, weight)
-    return tuple(forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset))
+def _present(*values) -> tuple:
+    return tuple(v for v in values if v is not None)
 
 
-def residual_forward(x, residual, weight, eps: float, offset: float = 0.0):
-    """``(y, h, rstd)``."""
-    args = (x, residual) if weight is None else (x, residual, weight)
-    return tuple(residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset))
+def _norm_params(norm: str, bias) -> dict:
+    """The norm's parameters: none for the RMS norm, so its jaxprs read as they always did."""
+    return {} if norm == "rms" else {"norm": norm, "has_bias": bias is not None}
 
 
-def backward(x, weight, rstd, dy, eps=None, offset: float = 0.0, dh=None):
-    """``(dx, dweight)``; dweight is None without weight. ``eps`` (from the VJP): ``rstd`` is
-    the forward's of x with this eps, which lets the CPU take it from x (`_partitioning`).
-    ``dh``: added to dx before it is rounded (the fused residual's backward)."""
-    args = (x, rstd, dy) if weight is None else (x, weight, rstd, dy)
-    args += () if dh is None else (dh,)
-    out = backward_p.bind(
-        *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, has_dh=dh is not None
+def forward(x, weight, eps: float, offset: float = 0.0, bias=None, norm: str = "rms"):
+    """``(y, *stats)``; the weight applied is ``offset + weight``."""
+    args = _present(x, weight, bias)
+    return tuple(
+        forward_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset, **_norm_params(norm, bias))
     )
-    return (out[0], None) if weight is None else (out[0], out[1])
 
 
-def _tangent(x, weight, rstd, tx, tw, eps, offset=0.0, residual=False):
-    """``(ty, trstd)``; with ``residual``, ``(ty, th, trstd)`` where ``th`` is ``tx`` passed
+def residual_forward(x, residual, weight, eps: float, offset: float = 0.0, bias=None, norm: str = "rms"):
+    """``(y, h, *stats)``."""
+    args = _present(x, residual, weight, bias)
+    return tuple(
+        residual_p.bind(*_aligned(*args), eps=eps, has_weight=weight is not None, offset=offset, **_norm_params(norm, bias))
+    )
+
+
+def backward(x, weight, stats, dy, eps=None, offset: float = 0.0, dh=None, norm: str = "rms", bias=None):
+    """``(dx, dweight, dbias)`` (None for a parameter the call has not; ``bias`` only shapes
+    dbias). ``eps`` (from the VJP): ``stats`` are the forward's of x with this eps, which lets
+    the CPU take them from x (`_partitioning`). ``dh``: added to dx before it is rounded (the
+    fused residual's backward)."""
+    args = (x, *_present(weight, bias), *stats, dy, *_present(dh))
+    out = backward_p.bind(
+        *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, has_dh=dh is not None,
+        **_norm_params(norm, bias),
+    )
+    out = list(out)
+    dx = out.pop(0)
+    dw = out.pop(0) if weight is not None else None
+    db = out.pop(0) if bias is not None else None
+    return dx, dw, db
+
+
+def _tangent(x, weight, bias, stats, tx, tw, tb, eps, offset=0.0, residual=False, norm="rms"):
+    """``(ty, *tstats)``; with ``residual``, ``(ty, th, *tstats)`` where ``th`` is ``tx`` passed
     through, so that the transpose receives h's cotangent with y's and fuses the two."""
-    args = (x, rstd, tx) if weight is None else (x, weight, rstd, tx, tw)
+    args = (x, *_present(weight, bias), *stats, tx, *(t for p, t in ((weight, tw), (bias, tb)) if p is not None))
     return tuple(
         tangent_p.bind(
-            *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, residual=residual
+            *_aligned(*args), has_weight=weight is not None, eps=eps, offset=offset, residual=residual,
+            **_norm_params(norm, bias),
         )
     )
-
-
-def _split(args, has_weight: bool, names: str, has_dh: bool = False):
-    """Operands by role: `names` is the operand order with a weight ("xwrd"), the weight-like
-    letters being dropped when there is none (and "h", dh, when the call has none)."""
-    order = names if has_weight else names.replace("w", "").replace("v", "")
-    order = order if has_dh else order.replace("h", "")
-    found = dict(zip(order, args))
-    return [found.get(c) for c in names]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,30 +165,34 @@ def _without_last(aval):
     return NamedSharding(sharding.mesh, P(*spec[:-1]))
 
 
-def _forward_abstract(*avals, eps, has_weight, offset=0.0):
+def _stat_avals(x, norm: str) -> list:
+    stat = x.update(shape=x.shape[:-1], dtype=_math.acc_dtype(x.dtype), sharding=_without_last(x))
+    return [stat] * len(_math.stats_names(norm))
+
+
+def _forward_abstract(*avals, eps, has_weight, offset=0.0, norm="rms", has_bias=False):
     x = avals[0]
-    rstd = x.update(shape=x.shape[:-1], dtype=_math.acc_dtype(x.dtype), sharding=_without_last(x))
-    return [x.update(weak_type=False), rstd]
+    return [x.update(weak_type=False), *_stat_avals(x, norm)]
 
 
-def _residual_abstract(*avals, eps, has_weight, offset=0.0):
-    y, rstd = _forward_abstract(avals[0], *avals[2:], eps=eps, has_weight=has_weight)
-    return [y, y, rstd]
+def _residual_abstract(*avals, eps, has_weight, offset=0.0, norm="rms", has_bias=False):
+    y, *stats = _forward_abstract(avals[0], eps=eps, has_weight=has_weight, norm=norm)
+    return [y, y, *stats]
 
 
-def _backward_abstract(*avals, has_weight, eps, offset=0.0, has_dh=False):
-    x, w, _, _, _ = _split(avals, has_weight, "xwrdh", has_dh)
-    out = [x.update(weak_type=False)]
-    if has_weight:
-        # Typed like the weight, on the operands' varying axes.
-        out.append(w.update(weak_type=False))
-    return out
+def _backward_abstract(*avals, has_weight, eps, offset=0.0, has_dh=False, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, has_dh=has_dh, norm=norm, has_bias=has_bias))
+    o = _roles(avals, form.backward_layout())
+    # The gradients typed like their parameters, on the operands' varying axes.
+    return [o["x"].update(weak_type=False), *(o[p].update(weak_type=False) for p in form.params)]
 
 
-def _tangent_abstract(*avals, has_weight, eps, offset=0.0, residual=False):
-    x, _, rstd, tx, _ = _split(avals, has_weight, "xwrtv")
-    ty = x.update(weak_type=False)
-    return [ty, tx.update(weak_type=False), rstd] if residual else [ty, rstd]
+def _tangent_abstract(*avals, has_weight, eps, offset=0.0, residual=False, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, norm=norm, has_bias=has_bias))
+    o = _roles(avals, _tangent_layout(form))
+    ty = o["x"].update(weak_type=False)
+    stats = [o[s] for s in form.stats]
+    return [ty, o["tx"].update(weak_type=False), *stats] if residual else [ty, *stats]
 
 
 forward_p.def_abstract_eval(_forward_abstract)
@@ -168,31 +212,40 @@ def _apply(prim):
     return lambda *args, **params: dispatch.apply_primitive(prim, *args, **params)
 
 
-def _forward_lowered(*args, eps, has_weight, offset):
+def _forward_lowered(*args, eps, has_weight, offset, norm="rms", has_bias=False, residual=False):
+    form = _form(dict(has_weight=has_weight, norm=norm, has_bias=has_bias), residual=residual)
+    abstract = _residual_abstract if residual else _forward_abstract
     if _partitioning.is_explicit(jax.typeof(args[0])):
-        avals = _forward_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight)
-        return _partitioning.explicit_forward(args, eps, avals, offset=offset)
-    return _partitioning.partitioned_forward(has_weight)(*args, eps=eps, offset=offset)
+        avals = abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight, norm=norm)
+        return _partitioning.explicit_forward(args, eps, avals, form, offset=offset)
+    return _partitioning.partitioned_forward(form)(*args, eps=eps, offset=offset)
 
 
-def _residual_lowered(*args, eps, has_weight, offset):
+def _residual_lowered(*args, **params):
+    return _forward_lowered(*args, **params, residual=True)
+
+
+def _backward_lowered(*args, has_weight, eps, offset, has_dh, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, has_dh=has_dh, norm=norm, has_bias=has_bias))
     if _partitioning.is_explicit(jax.typeof(args[0])):
-        avals = _residual_abstract(*map(jax.typeof, args), eps=eps, has_weight=has_weight)
-        return _partitioning.explicit_forward(args, eps, avals, residual=True, offset=offset)
-    return _partitioning.partitioned_forward(has_weight, residual=True)(*args, eps=eps, offset=offset)
+        avals = _backward_abstract(
+            *map(jax.typeof, args), has_weight=has_weight, eps=eps, has_dh=has_dh, norm=norm, has_bias=has_bias
+        )
+        return _partitioning.explicit_backward(args, eps, avals, form, offset=offset)
+    return _partitioning.partitioned_backward(form)(*args, eps=eps, offset=offset)
 
 
-def _backward_lowered(*args, has_weight, eps, offset, has_dh):
-    if _partitioning.is_explicit(jax.typeof(args[0])):
-        avals = _backward_abstract(*map(jax.typeof, args), has_weight=has_weight, eps=eps, has_dh=has_dh)
-        return _partitioning.explicit_backward(args, eps, avals, offset=offset, has_dh=has_dh)
-    return _partitioning.partitioned_backward(has_weight, has_dh)(*args, eps=eps, offset=offset)
-
-
-def _tangent_math(*args, has_weight, eps, offset, residual):
-    x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
-    ty, trstd = _math.tangent(x, w, rstd, tx, tw, offset)
-    return [ty, tx, trstd] if residual else [ty, trstd]
+def _tangent_math(*args, has_weight, eps, offset, residual, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, norm=norm, has_bias=has_bias))
+    o = _roles(args, _tangent_layout(form))
+    if norm == "rms":
+        tstats = _math.tangent(o["x"], o.get("w"), o["rstd"], o["tx"], o.get("tw"), offset)
+    else:
+        tstats = _math.layer_tangent(
+            o["x"], o.get("w"), o.get("b"), o["mean"], o["rstd"], o["tx"], o.get("tw"), o.get("tb"), offset
+        )
+    ty, *stats = tstats
+    return [ty, o["tx"], *stats] if residual else [ty, *stats]
 
 
 def _checked(rule):
@@ -271,8 +324,9 @@ def _batch_spec(value):
 
 
 def _fold(args, dims, roles: str, weight_batched_out: bool):
-    """Operands for one call over the folded batch. `roles` names each operand: x-like ('x') or weight-like ('w'). A weight broadcast
-    along the batch is sharded like x's batch axis, so its gradient is too."""
+    """Operands for one call over the folded batch. `roles` names each operand: x-like ('x') or
+    weight-like ('w'). A weight broadcast along the batch is sharded like x's batch axis, so
+    its gradient is too."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     weights = [(a, d) for a, d, r in zip(args, dims, roles) if r == "w"]
     batch_weight = bool(weights) and (
@@ -293,36 +347,26 @@ def _fold(args, dims, roles: str, weight_batched_out: bool):
     return out
 
 
-def _forward_batch(args, dims, **params):
-    roles = "xw" if params["has_weight"] else "x"
-    folded = _fold(args, dims, roles, weight_batched_out=False)
-    return forward_p.bind(*folded, **params), [0, 0]
+def _kinds(layout) -> str:
+    """Each operand of a layout as `_fold` takes it: weight-like ('w': the parameters and their
+    tangents) or x-like ('x': everything with rows)."""
+    return "".join("w" if role in ("w", "b", "tw", "tb") else "x" for role in layout)
 
 
-def _residual_batch(args, dims, **params):
-    folded = _fold(args, dims, "xxw" if params["has_weight"] else "xx", weight_batched_out=False)
-    return residual_p.bind(*folded, **params), [0, 0, 0]
+def _batcher(prim, layout_of, weight_batched_out: bool):
+    def batch(args, dims, **params):
+        folded = _fold(args, dims, _kinds(layout_of(params)), weight_batched_out)
+        out = prim.bind(*folded, **params)
+        return out, [0] * len(out)
+
+    return batch
 
 
-def _backward_batch(args, dims, **params):
-    # Per-example weight gradients: the weight is batched whenever anything is.
-    roles = ("xwxx" if params["has_weight"] else "xxx") + "x" * params["has_dh"]
-    folded = _fold(args, dims, roles, weight_batched_out=True)
-    out = backward_p.bind(*folded, **params)
-    return out, [0] * len(out)
-
-
-def _tangent_batch(args, dims, **params):
-    roles = "xwxxw" if params["has_weight"] else "xxx"
-    folded = _fold(args, dims, roles, weight_batched_out=False)
-    out = tangent_p.bind(*folded, **params)
-    return out, [0] * len(out)
-
-
-batching.primitive_batchers[forward_p] = _forward_batch
-batching.primitive_batchers[backward_p] = _backward_batch
-batching.primitive_batchers[tangent_p] = _tangent_batch
-batching.primitive_batchers[residual_p] = _residual_batch
+batching.primitive_batchers[forward_p] = _batcher(forward_p, lambda p: _form(p).forward_layout(), False)
+batching.primitive_batchers[residual_p] = _batcher(residual_p, lambda p: _form(p, residual=True).forward_layout(), False)
+# Per-example weight gradients: the weight is batched whenever anything is.
+batching.primitive_batchers[backward_p] = _batcher(backward_p, lambda p: _form(p).backward_layout(), True)
+batching.primitive_batchers[tangent_p] = _batcher(tangent_p, lambda p: _tangent_layout(_form(p)), False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,53 +377,58 @@ def _instantiate(tangent):
     return ad.instantiate_zeros(tangent) if type(tangent) is ad.Zero else tangent
 
 
-def _forward_jvp(primals, tangents, *, eps, has_weight, offset):
-    x, w = primals if has_weight else (primals[0], None)
-    y, rstd = forward(x, w, eps, offset)
-    tx = _instantiate(tangents[0])
-    tw = _instantiate(tangents[1]) if has_weight else None
-    ty, trstd = _tangent(x, w, rstd, tx, tw, eps, offset)
-    return (y, rstd), (ty, trstd)
-
-
-def _residual_jvp(primals, tangents, *, eps, has_weight, offset):
-    x, res, w = primals if has_weight else (*primals, None)
-    y, h, rstd = residual_forward(x, res, w, eps, offset)
-    tx, tres = tangents[0], tangents[1]
+def _forward_jvp(primals, tangents, *, eps, has_weight, offset, norm="rms", has_bias=False, residual=False):
+    form = _form(dict(has_weight=has_weight, norm=norm, has_bias=has_bias), residual=residual)
+    o, t = _roles(primals, form.forward_layout()), _roles(tangents, form.forward_layout())
+    w, b = o.get("w"), o.get("b")
+    tw = _instantiate(t["w"]) if has_weight else None
+    tb = _instantiate(t["b"]) if has_bias else None
+    if not residual:
+        y, *stats = forward(o["x"], w, eps, offset, b, norm)
+        ty, *tstats = _tangent(o["x"], w, b, stats, _instantiate(t["x"]), tw, tb, eps, offset, norm=norm)
+        return (y, *stats), (ty, *tstats)
+    y, h, *stats = residual_forward(o["x"], o["res"], w, eps, offset, b, norm)
+    tx, tres = t["x"], t["res"]
     if type(tx) is ad.Zero and type(tres) is ad.Zero:
         th = jnp.zeros(h.shape, h.dtype)
     else:
         th = _instantiate(tx) if type(tres) is ad.Zero else (
             _instantiate(tres) if type(tx) is ad.Zero else tx + tres)
-    tw = _instantiate(tangents[2]) if has_weight else None
     # h's tangent passes through the tangent primitive, so reverse mode hands its cotangent to
     # the same transpose as y's: one backward call, dx rounded once.
-    ty, th, trstd = _tangent(h, w, rstd, th, tw, eps, offset, residual=True)
-    return (y, h, rstd), (ty, th, trstd)
+    ty, th, *tstats = _tangent(h, w, b, stats, th, tw, tb, eps, offset, residual=True, norm=norm)
+    return (y, h, *stats), (ty, th, *tstats)
 
 
-def _tangent_transpose(cts, *args, has_weight, eps, offset, residual):
-    x, w, rstd, tx, tw = _split(args, has_weight, "xwrtv")
+def _residual_jvp(primals, tangents, **params):
+    return _forward_jvp(primals, tangents, **params, residual=True)
+
+
+def _tangent_transpose(cts, *args, has_weight, eps, offset, residual, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, norm=norm, has_bias=has_bias))
+    layout = _tangent_layout(form)
+    o = _roles(args, layout)
     if residual:
-        ct_y, ct_h, ct_rstd = cts
+        ct_y, ct_h, *ct_stats = cts
         ct_h = None if type(ct_h) is ad.Zero else ct_h
     else:
-        (ct_y, ct_rstd), ct_h = cts, None
-    for primal in (x, w, rstd):
-        if ad.is_undefined_primal(primal):
+        (ct_y, *ct_stats), ct_h = cts, None
+    ct_stats = [None if type(c) is ad.Zero else c for c in ct_stats]
+    for role in ("x", *form.params, *form.stats):
+        if ad.is_undefined_primal(o[role]):
             raise NotImplementedError("rmsnorm_tangent is linear in its tangents only")
-    want_x = ad.is_undefined_primal(tx)
-    want_w = has_weight and ad.is_undefined_primal(tw)
     none = [None] * len(args)
-    if type(ct_y) is ad.Zero and type(ct_rstd) is ad.Zero and ct_h is None:
+    if type(ct_y) is ad.Zero and all(c is None for c in ct_stats) and ct_h is None:
         return none
+    x, stats = o["x"], tuple(o[s] for s in form.stats)
     if type(ct_y) is ad.Zero:
         ct_y = jnp.zeros(x.shape, x.dtype)
-    dx, dw = backward(x, w, rstd, ct_y, eps, offset, dh=ct_h)  # the fused Rust backward
-    if type(ct_rstd) is not ad.Zero:
-        dx = dx + _math.rstd_cotangent(x, rstd, ct_rstd)
-    out = [None, None, None, dx if want_x else None, dw if want_w else None]
-    return out if has_weight else [out[0], out[2], out[3]]
+    # The fused Rust backward.
+    dx, dw, db = backward(x, o.get("w"), stats, ct_y, eps, offset, dh=ct_h, norm=norm, bias=o.get("b"))
+    if any(c is not None for c in ct_stats):
+        dx = dx + _math.stats_cotangent(norm, x, stats, tuple(ct_stats))
+    grads = {"tx": dx, "tw": dw, "tb": db}
+    return [grads[role] if role in grads and ad.is_undefined_primal(o[role]) else None for role in layout]
 
 
 def _math_jvp(prim, math):
@@ -396,10 +445,17 @@ def _math_jvp(prim, math):
     return jvp
 
 
-def _backward_math(*args, has_weight, eps, offset, has_dh):
-    x, w, rstd, dy, dh = _split(args, has_weight, "xwrdh", has_dh)
-    dx, dw = _math.backward(x, w, rstd, dy, offset, dh)
-    return [dx] if w is None else [dx, dw]
+def _backward_math(*args, has_weight, eps, offset, has_dh, norm="rms", has_bias=False):
+    form = _form(dict(has_weight=has_weight, has_dh=has_dh, norm=norm, has_bias=has_bias))
+    o = _roles(args, form.backward_layout())
+    if norm == "rms":
+        dx, dw = _math.backward(o["x"], o.get("w"), o["rstd"], o["dy"], offset, o.get("dh"))
+        db = None
+    else:
+        dx, dw, db = _math.layer_backward(
+            o["x"], o.get("w"), o.get("b"), o["mean"], o["rstd"], o["dy"], offset, o.get("dh")
+        )
+    return [dx, *({"w": dw, "b": db}[p] for p in form.params)]
 
 
 ad.primitive_jvps[forward_p] = _forward_jvp
