@@ -59,12 +59,12 @@ def _flax_module(what: str):
 
 
 def __getattr__(name: str):
-    """`RMSNorm` (the Flax module) is imported on first use, so that flax stays optional and
+    """`RMSNorm` and `LayerNorm` (the Flax modules) are imported on first use, so that flax stays optional and
     `import rmsnorm_ffi` does not import it."""
-    if name == "RMSNorm":
-        return _flax_module("rmsnorm_ffi.RMSNorm").RMSNorm
+    if name in ("RMSNorm", "LayerNorm"):
+        return getattr(_flax_module(f"rmsnorm_ffi.{name}"), name)
     raise AttributeError(f"module 'rmsnorm_ffi' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "RMSNorm"])
+    return sorted([*globals(), "LayerNorm", "RMSNorm"])

@@ -1,5 +1,13 @@
-"""`rmsnorm_ffi.RMSNorm`: a drop-in for `flax.linen.RMSNorm` whose math runs in the Rust bundle
-(and `NnxRMSNorm`, exported as `rmsnorm_ffi.nnx.RMSNorm`, the same for `flax.nnx.RMSNorm`).
+"""`rmsnorm_ffi.RMSNorm` and `rmsnorm_ffi.LayerNorm`: drop-ins for `flax.linen.RMSNorm` and
+`flax.linen.LayerNorm` whose math runs in the Rust bundle (and `NnxRMSNorm`, `NnxLayerNorm`,
+exported as `rmsnorm_ffi.nnx.RMSNorm` and `.LayerNorm`, the same for `flax.nnx`'s).
+
+LayerNorm follows the same rules as the RMS norm below, with flax's `use_mean=True`
+statistics and a bias: the bias joins the scale in the promotion (`canonicalize_dtype(x,
+scale, bias)`, the multiply dtype), is cast with the scale and added inside the op before its
+one rounding. `use_fast_variance` is accepted and has no effect: the op's variance is always
+the two-pass one (flax's fast `E[x^2] - E[x]^2` loses the digits of rows whose mean is large
+against their spread; the op's result is then closer to the exact one than flax's).
 
 Importing this module imports flax; `rmsnorm_ffi` itself only imports it when `RMSNorm` is first
 looked up (see `rmsnorm_ffi.__getattr__`), so flax stays an optional dependency
@@ -51,23 +59,28 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import dtypes as flax_dtypes
 
-from rmsnorm_ffi._ops import _trailing_axes, rms_norm, rms_norm_residual
+from rmsnorm_ffi._ops import _trailing_axes, layer_norm, layer_norm_residual, rms_norm, rms_norm_residual
 
 _F32 = jnp.dtype(jnp.float32)
 _F64 = jnp.dtype(jnp.float64)
+
+
+def _name(module) -> str:
+    """The module as errors name it: `rmsnorm_ffi.RMSNorm` or `rmsnorm_ffi.LayerNorm`."""
+    return "rmsnorm_ffi." + ("LayerNorm" if isinstance(module, (LayerNorm, NnxLayerNorm)) else "RMSNorm")
 
 
 def _axes(module, x) -> tuple[int, tuple[bool, ...]]:
     """The number k of trailing axes the module normalizes over, and which of them are feature
     axes (the scale's; along the others it broadcasts, as in flax's `_normalize`). `reduction_axes` must name the last k axes of x (the Rust op
     normalizes rows made of them); `feature_axes` must be among those."""
-    name = "rmsnorm_ffi.RMSNorm"
+    name = _name(module)
     try:
         k = _trailing_axes(name, module.reduction_axes, x.ndim)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{name}: reduction_axes must name trailing axes of x ({e}); the Rust op normalizes "
-            "over the last axes only (use flax.linen.RMSNorm for others)"
+            f"over the last axes only (use flax.linen.{name.split('.')[1]} for others)"
         ) from None
     trailing = range(x.ndim - k, x.ndim)
     items = tuple(module.feature_axes) if isinstance(module.feature_axes, (tuple, list)) else (module.feature_axes,)
@@ -77,7 +90,7 @@ def _axes(module, x) -> tuple[int, tuple[bool, ...]]:
         raise ValueError(
             f"{name}: feature_axes must be among the normalized axes {tuple(a - x.ndim for a in trailing)} "
             f"of a {x.ndim}-d input, got {module.feature_axes!r} (a scale that varies along another "
-            "axis is not one weight row; use flax.linen.RMSNorm for that)"
+            f"axis is not one weight row; use flax.linen.{name.split('.')[1]} for that)"
         )
     return k, tuple(a in features for a in trailing)
 
@@ -85,43 +98,52 @@ def _axes(module, x) -> tuple[int, tuple[bool, ...]]:
 def _check_options(module, x, mask) -> tuple[int, tuple[bool, ...]]:
     """The options both modules support: trailing axes (see `_axes`, whose result this
     returns), no cross-device statistics, no mask."""
+    name = _name(module)
     if x.ndim < 1:
-        raise ValueError("rmsnorm_ffi.RMSNorm: x must have at least one axis, got a scalar")
+        raise ValueError(f"{name}: x must have at least one axis, got a scalar")
     axes = _axes(module, x)
     if module.axis_name is not None or module.axis_index_groups is not None:
         raise ValueError(
-            "rmsnorm_ffi.RMSNorm: axis_name/axis_index_groups (statistics across devices) are "
+            f"{name}: axis_name/axis_index_groups (statistics across devices) are "
             "not supported; to normalize sharded rows per device, call the module inside shard_map"
         )
     if mask is not None:
-        raise ValueError("rmsnorm_ffi.RMSNorm: mask is not supported (use flax's RMSNorm)")
+        raise ValueError(f"{name}: mask is not supported (use flax's {name.split('.')[1]})")
+    if not getattr(module, "force_float32_reductions", True):
+        raise ValueError(
+            f"{name}: force_float32_reductions=False is not supported; the op "
+            "always reduces in float32 (float64 for float64 input)"
+        )
     return axes
 
 
-def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,)), offset=0.0):
-    """flax's RMS normalization of `x` (an array) by `scale` (an array or None) with flax's dtype
-    rules (see the module docstring), computed by `rms_norm`. With a `residual` (x's shape and
-    dtype), the normalization of ``h = x + residual`` instead, and ``(y, h)`` is returned: the
-    fused `rms_norm_residual` when the op runs in x's dtype, else the add then the norm. `axes`:
-    `_axes`'s (k trailing axes, and which are the scale's: it broadcasts along the others).
-    `offset`: the scale applied is ``offset + scale`` (added in the op's accumulation dtype)."""
+def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,)), offset=0.0, bias=None, norm="rms"):
+    """flax's normalization of `x` (an array) by `scale` (an array or None) with flax's dtype
+    rules (see the module docstring), computed by `rms_norm` (or with ``norm="layer"``,
+    `layer_norm`, adding `bias`). With a `residual` (x's shape and dtype), the normalization of
+    ``h = x + residual`` instead, and ``(y, h)`` is returned: the fused residual op when the op
+    runs in x's dtype, else the add then the norm. `axes`: `_axes`'s (k trailing axes, and which
+    are the scale's: it broadcasts along the others). `offset`: the scale applied is
+    ``offset + scale`` (added in the op's accumulation dtype)."""
+    name = "rmsnorm_ffi." + ("LayerNorm" if norm == "layer" else "RMSNorm")
     if residual is not None:
         residual = jnp.asarray(residual)
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(
-                f"rmsnorm_ffi.RMSNorm: residual must have x's shape {tuple(x.shape)} and dtype "
+                f"{name}: residual must have x's shape {tuple(x.shape)} and dtype "
                 f"{x.dtype} (h = x + residual is rounded to x's dtype), got "
                 f"{tuple(residual.shape)} {residual.dtype}"
             )
     # The result dtype, and flax's error for a non-float `dtype`.
-    out_dtype = jnp.dtype(flax_dtypes.canonicalize_dtype(x, scale, dtype=dtype))
+    out_dtype = jnp.dtype(flax_dtypes.canonicalize_dtype(x, scale, bias, dtype=dtype))
     stats_dtype = jnp.promote_types(x.dtype if dtype is None else dtype, _F32)
     mul_dtype = jnp.promote_types(x.dtype, stats_dtype)
-    if scale is not None:
-        mul_dtype = jnp.promote_types(mul_dtype, scale.dtype)
+    for param in (scale, bias):
+        if param is not None:
+            mul_dtype = jnp.promote_types(mul_dtype, param.dtype)
     if mul_dtype not in (_F32, _F64):
         raise TypeError(
-            f"rmsnorm_ffi.RMSNorm: x ({x.dtype}) and scale "
+            f"{name}: x ({x.dtype}) and scale "
             f"({None if scale is None else scale.dtype}) must be real floats or integers; "
             f"flax would compute in {mul_dtype}, which the Rust op does not support"
         )
@@ -129,28 +151,37 @@ def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,)), offse
     # flax's (x has the result dtype, flax multiplies in float32); else flax's multiply dtype,
     # to which x and the scale are cast exactly, the result being cast to the result dtype.
     op_dtype = x.dtype if (mul_dtype == _F32 and x.dtype == out_dtype) else mul_dtype
-    weight = None
-    if scale is not None:
-        # The op takes a weight of x's dtype or float32; either holds the scale exactly
-        # (a float64 scale makes the op's dtype float64).
-        weight = scale if scale.dtype == op_dtype else scale.astype(_F64 if op_dtype == _F64 else _F32)
     k, features = axes
     axis = tuple(range(-k, 0))
-    if weight is not None and k > 1:
-        scale_shape = tuple(d if f else 1 for d, f in zip(x.shape[x.ndim - k:], features))
-        # The op's weight has the normalized axes' shape; the scale broadcasts along the
-        # reduced axes that are not feature axes (its gradient sums over them).
-        weight = jnp.broadcast_to(weight.reshape(scale_shape), x.shape[x.ndim - k:])
+    # The op takes a weight (and a bias, of the weight's dtype) of x's dtype or float32; either
+    # holds the scale exactly (a float64 scale makes the op's dtype float64). Both have the
+    # normalized axes' shape: the scale broadcasts along the reduced axes that are not feature
+    # axes (its gradient sums over them).
+    param_shape = tuple(d if f else 1 for d, f in zip(x.shape[x.ndim - k:], features))
+    param_dtype = None
+    for param in (scale, bias):
+        if param is not None and param.dtype != op_dtype:
+            param_dtype = _F64 if op_dtype == _F64 else _F32
+    weight, bias = (
+        None if p is None else jnp.broadcast_to(p.astype(param_dtype or op_dtype).reshape(param_shape), x.shape[x.ndim - k:])
+        for p in (scale, bias)
+    )
     if offset and weight is None:
-        raise ValueError("rmsnorm_ffi.RMSNorm: scale_offset needs use_scale=True (it offsets the scale)")
+        raise ValueError(f"{name}: scale_offset needs use_scale=True (it offsets the scale)")
     opts = dict(axis=axis, scale_offset=offset)
+    if norm == "layer":
+        plain = lambda v: layer_norm(v, weight, bias, epsilon, **opts)  # noqa: E731
+        fused = lambda: layer_norm_residual(x, residual, weight, bias, epsilon, **opts)  # noqa: E731
+    else:
+        plain = lambda v: rms_norm(v, weight, epsilon, **opts)  # noqa: E731
+        fused = lambda: rms_norm_residual(x, residual, weight, epsilon, **opts)  # noqa: E731
     if residual is None:
-        return rms_norm(x.astype(op_dtype), weight, epsilon, **opts).astype(out_dtype)
+        return plain(x.astype(op_dtype)).astype(out_dtype)
     if op_dtype == x.dtype:
-        y, h = rms_norm_residual(x, residual, weight, epsilon, **opts)
+        y, h = fused()
         return y.astype(out_dtype), h
     h = x + residual
-    return rms_norm(h.astype(op_dtype), weight, epsilon, **opts).astype(out_dtype), h
+    return plain(h.astype(op_dtype)).astype(out_dtype), h
 
 
 class RMSNorm(nn.RMSNorm):
@@ -179,11 +210,6 @@ class RMSNorm(nn.RMSNorm):
         ``h = x + residual``, the add fused with the norm where the dtypes allow."""
         x = jnp.asarray(x)
         axes = _check_options(self, x, mask)
-        if not self.force_float32_reductions:
-            raise ValueError(
-                "rmsnorm_ffi.RMSNorm: force_float32_reductions=False is not supported; the op "
-                "always reduces in float32 (float64 for float64 input)"
-            )
         scale = None
         if self.use_scale:
             # flax's shape: the feature axes' lengths, in axis order.
@@ -223,3 +249,57 @@ class NnxRMSNorm(nnx.RMSNorm):
         scale = None if scale is None else jnp.asarray(scale)
         axes = _check_options(self, x, mask)
         return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset)
+
+
+def _param_shape(x, axes) -> tuple:
+    """flax's shape of the scale and the bias: the feature axes' lengths, in axis order."""
+    k, features = axes
+    return tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
+
+
+class LayerNorm(nn.LayerNorm):
+    """`flax.linen.LayerNorm` with the normalization computed by `rmsnorm_ffi.layer_norm`.
+
+    Same fields, parameters (`scale`, `bias`), dtype rules and result dtypes as flax's module,
+    and the options of `rmsnorm_ffi.RMSNorm` (trailing `reduction_axes`, `feature_axes` among
+    them, no `axis_name`, no `mask`, a `residual` argument, a `scale_offset` field).
+    `use_fast_variance` is accepted and has no effect (see the module docstring). CPU only in
+    this build.
+    """
+
+    scale_offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, residual=None, *, mask=None):
+        """The norm of `x`; with `residual` (x's shape and dtype), ``(norm(h), h)`` for
+        ``h = x + residual``, the add fused with the norm where the dtypes allow."""
+        x = jnp.asarray(x)
+        axes = _check_options(self, x, mask)
+        shape = _param_shape(x, axes)
+        scale = jnp.asarray(self.param("scale", self.scale_init, shape, self.param_dtype)) if self.use_scale else None
+        bias = jnp.asarray(self.param("bias", self.bias_init, shape, self.param_dtype)) if self.use_bias else None
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset, bias, "layer")
+
+
+class NnxLayerNorm(nnx.LayerNorm):
+    """`flax.nnx.LayerNorm` with the normalization computed by `rmsnorm_ffi.layer_norm`;
+    exported as `rmsnorm_ffi.nnx.LayerNorm`. As `NnxRMSNorm`: x, the scale and the bias go
+    through `promote_dtype` first, then the Linen module's rules apply."""
+
+    def __init__(self, *args, scale_offset: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale_offset = scale_offset
+
+    def __call__(self, x, *, mask=None, residual=None):
+        """The norm of `x`; with `residual`, ``(norm(h), h)`` for ``h = x + residual``."""
+        scale = self.scale[...] if self.scale else None
+        bias = self.bias[...] if self.bias else None
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        x = jnp.asarray(x)
+        if residual is not None:
+            residual = jnp.asarray(residual)
+            if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
+                residual = residual.astype(x.dtype)
+        scale, bias = (None if p is None else jnp.asarray(p) for p in (scale, bias))
+        axes = _check_options(self, x, mask)
+        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset, bias, "layer")

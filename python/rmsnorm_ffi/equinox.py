@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from rmsnorm_ffi._ops import rms_norm
+from rmsnorm_ffi._ops import layer_norm, rms_norm
 
 _SENTINEL = object()
 
@@ -56,4 +56,32 @@ class RMSNorm(eqx.nn.RMSNorm):
         return out, state
 
 
-__all__ = ["RMSNorm"]
+class LayerNorm(eqx.nn.LayerNorm):
+    """`equinox.nn.LayerNorm` with the normalization computed by `rmsnorm_ffi.layer_norm` over
+    all of `shape`: equinox's fields, parameters and dtype rules (the math in
+    `result_type(x, float32)`, the weight and bias cast to it, the result cast back to x's
+    dtype once), the bias added inside the op before that rounding. CPU only in this build."""
+
+    def __call__(self, x, state=_SENTINEL, *, key=None):
+        """The norm of `x` (shape `self.shape`); with `state`, ``(y, state)``."""
+        x = jnp.asarray(x)
+        if x.shape != self.shape:
+            raise ValueError(
+                "rmsnorm_ffi.equinox.LayerNorm: x must have the module's shape (`shape == x.shape`), "
+                f"got shape={self.shape} and x.shape={x.shape}; for a batch, use jax.vmap(norm)(x)"
+            )
+        if x.ndim == 0:
+            raise ValueError("rmsnorm_ffi.equinox.LayerNorm: shape () normalizes nothing; give x at least one axis")
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(x.dtype, jnp.float32)
+        weight = self.weight.astype(dtype) if self.use_weight else None
+        bias = self.bias.astype(dtype) if self.use_bias else None
+        axis = tuple(range(-x.ndim, 0))
+        # The op computes in float32 (float64 for float64 x) and rounds once to x's dtype, as
+        # equinox's one cast back: x in its own dtype, the weight and bias in the compute dtype.
+        source = x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+        out = layer_norm(source, weight, bias, self.eps, axis=axis).astype(x.dtype)
+        return out if state is _SENTINEL else (out, state)
+
+
+__all__ = ["LayerNorm", "RMSNorm"]
