@@ -165,7 +165,7 @@ python-test: develop bundles wheel
 # develop` for a 3.12 venv would rebuild pyo3 and the crate (about 25 s, and again for .venv after
 # it); this way cargo has nothing to do. The bundle libraries need no Python: the same files.
 NEW_STACK_TESTS = $(sort $(wildcard $(addprefix tests/python/, test_rmsnorm.py test_flax.py \
-	test_contract.py test_variants.py test_axes.py test_equinox.py test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py \
+	test_contract.py test_variants.py test_axes.py test_equinox.py test_layer_norm.py test_multidevice.py test_errors.py test_bad_inputs.py test_registration.py \
 	test_register_library.py test_example_bundle.py test_attributes.py test_batched_op.py test_in_place.py \
 	test_stages_and_context.py test_stateful.py test_concurrency.py test_stress_api.py test_batching.py test_*sharding*.py test_ad*.py \
 	test_*_ad.py test_*_ad_*.py test_*export*.py test_*distributed*.py)))

@@ -88,7 +88,7 @@ import numpy as np  # noqa: E402
 
 import accuracy  # noqa: E402
 import rmsnorm_ffi  # noqa: E402
-from rmsnorm_ffi import rms_norm, rms_norm_reference, rms_norm_residual  # noqa: E402
+from rmsnorm_ffi import layer_norm, rms_norm, rms_norm_reference, rms_norm_residual  # noqa: E402
 
 # Narrow rows too: the demo's activations (1408x64), and rows of a head's width (64-128) over
 # many tokens x heads, as per-head query/key norms take them.
@@ -97,6 +97,21 @@ SHAPES = [(256, 4096), (64, 16384), (4096, 4096), (16384, 1024), (8, 128),
 DTYPES = ["float32", "bfloat16", "float16"]
 SHARDED_SHAPES = [(1024, 4096), (16384, 1024)]  # float32; rows divisible by the devices
 SHARDED_QUICK = [(256, 1024)]
+
+
+def flax_layer_norm(x, w, b, eps=1e-5):
+    """`flax.linen.LayerNorm(epsilon=eps)` applied with scale `w` and bias `b`: Flax itself where
+    it is installed, else its default math in jnp (statistics in float32, the one-pass
+    variance, the result in the promotion of x and the parameters)."""
+    try:
+        import flax.linen as nn
+    except ImportError:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, -1, keepdims=True)
+        var = jnp.maximum(jnp.mean(xf * xf, -1, keepdims=True) - mean * mean, 0.0)
+        y = (xf - mean) * (jax.lax.rsqrt(var + eps) * w) + b
+        return y.astype(jnp.result_type(x, w, b))
+    return nn.LayerNorm(epsilon=eps).apply({"params": {"scale": w, "bias": b}}, x)
 
 
 def variants(dtype):
@@ -130,7 +145,20 @@ def variants(dtype):
 
         return jax.jit(run)
 
+    # LayerNorm against flax.linen.LayerNorm under jit (its default math: the one-pass
+    # `E[x^2] - E[x]^2` variance), weight and bias, the gradient in all three.
+    def vjp3(f):
+        def run(x, w, b, dy):
+            _, pullback = jax.vjp(f, x, w, b)
+            return pullback(dy)
+
+        return jax.jit(run)
+
     return {
+        "ln fwd ours": (jax.jit(lambda x, w, b: layer_norm(x, w, b)), "x,w,b"),
+        "ln fwd jnp": (jax.jit(flax_layer_norm), "x,w,b"),
+        "ln fwd+bwd ours": (vjp3(layer_norm), "x,w,b,dy"),
+        "ln fwd+bwd jnp": (vjp3(flax_layer_norm), "x,w,b,dy"),
         "fwd ours": (jax.jit(lambda x, w, dy: rms_norm(x, w)), "x,w,dy"),
         "fwd floor": (jax.jit(lambda x, w, dy: x * c), "x,w,dy"),
         "fwd jnp": (jax.jit(lambda x, w, dy: rms_norm_reference(x, w)), "x,w,dy"),
@@ -192,7 +220,8 @@ def measure(shape, dtype, reps, evict=None):
     dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
     w = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), shape[-1:], jnp.float32)).astype(dtype)
     other = jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else jnp.float32
-    values = {"x": x, "w": w, "dy": dy, "wo": w.astype(other)}
+    b = (0.1 * jax.random.normal(jax.random.key(3), shape[-1:], jnp.float32)).astype(dtype)
+    values = {"x": x, "w": w, "b": b, "dy": dy, "wo": w.astype(other)}
     # Each variant's arguments, as its spec names them.
     fns = {name: (fn, [values[a] for a in spec.split(",")]) for name, (fn, spec) in variants(dtype).items()}
     for fn, args in fns.values():  # compile and warm up
@@ -391,6 +420,8 @@ def main():
                 "mixed / plain fwd": ratio(times, "fwd mixed", "fwd ours")[0],
                 "mixed / plain fwd+bwd": ratio(times, "fwd+bwd mixed", "fwd+bwd ours")[0],
                 "residual grad fused / unfused": ratio(times, "res grad fused", "res grad unfused")[0],
+                "layer fwd / jnp": ratio(times, "ln fwd ours", "ln fwd jnp"),
+                "layer fwd+bwd / jnp": ratio(times, "ln fwd+bwd ours", "ln fwd+bwd jnp"),
             }
             rows.append(row)
             spread = lambda r: f"{r[0]:5.2f}x [{r[1]:4.2f}-{r[2]:4.2f}]"  # noqa: E731
@@ -417,6 +448,15 @@ def main():
             f"f+b {row['offset / plain fwd+bwd']:4.2f}x | mixed weight fwd {row['mixed / plain fwd']:4.2f}x "
             f"f+b {row['mixed / plain fwd+bwd']:4.2f}x | residual grad fused/unfused "
             f"{row['residual grad fused / unfused']:4.2f}x ({row['res grad fused']:8.3f} ms)"
+        )
+    print("\nLayerNorm with weight and bias: ours (layer_norm) against flax.linen.LayerNorm under jit (median ms;")
+    print("ratios: median of per-round ratios [25th-75th percentile]); fwd+bwd: the gradient in x, weight and bias")
+    for row in rows:
+        lf, lb = row["layer fwd / jnp"], row["layer fwd+bwd / jnp"]
+        print(
+            f"{'x'.join(map(str, row['shape'])):>12} {row['dtype']:>9} | fwd {row['ln fwd ours']:8.3f} ms "
+            f"flax {row['ln fwd jnp']:8.3f} ms {lf[0]:5.2f}x [{lf[1]:4.2f}-{lf[2]:4.2f}] | fwd+bwd "
+            f"{row['ln fwd+bwd ours']:8.3f} ms flax {row['ln fwd+bwd jnp']:8.3f} ms {lb[0]:5.2f}x [{lb[1]:4.2f}-{lb[2]:4.2f}]"
         )
     errors = [] if args.no_accuracy else accuracy.report({"ours": rms_norm, "jnp": rms_norm_reference}, args.quick)
     sharded = run_sharded(args.sharded_devices, args.quick, reps) if args.sharded_devices > 0 else []

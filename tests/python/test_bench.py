@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The variants each round times once.
 VARIANTS = ("fwd ours", "fwd floor", "fwd jnp", "fwd+bwd ours", "fwd+bwd floor", "fwd+bwd jnp",
             "res fused", "res unfused", "res jnp", "fwd offset", "fwd+bwd offset", "fwd mixed",
-            "fwd+bwd mixed", "res grad fused", "res grad unfused")
+            "fwd+bwd mixed", "res grad fused", "res grad unfused", "ln fwd ours", "ln fwd jnp",
+            "ln fwd+bwd ours", "ln fwd+bwd jnp")
 
 
 def test_bench_quick_run(tmp_path):
@@ -35,6 +36,7 @@ def test_bench_quick_run(tmp_path):
         lo, hi = row["fwd / floor spread"]
         assert lo <= row["fwd / floor"] <= hi
     assert "residual add + norm" in result.stdout
+    assert "LayerNorm with weight and bias" in result.stdout
     # The accuracy sweep (--quick: three float32 shapes), ours and jnp in eps of float32.
     assert "accuracy against a long-double truth" in result.stdout
     assert [(r["dtype"], r["rows"], r["n"]) for r in results["accuracy"]] == [
