@@ -184,6 +184,41 @@ def _normalize(x, scale, dtype, epsilon, residual=None, axes=(1, (True,)), offse
     return plain(h.astype(op_dtype)).astype(out_dtype), h
 
 
+def _linen_call(module, x, residual, mask, norm: str):
+    """Both Linen modules' `__call__`: the options checked, the parameters made as flax makes
+    them (shape: the feature axes' lengths, in axis order), then `_normalize`."""
+    x = jnp.asarray(x)
+    axes = _check_options(module, x, mask)
+    k, features = axes
+    shape = tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
+    scale = jnp.asarray(module.param("scale", module.scale_init, shape, module.param_dtype)) if module.use_scale else None
+    bias = None
+    if norm == "layer" and module.use_bias:
+        bias = jnp.asarray(module.param("bias", module.bias_init, shape, module.param_dtype))
+    return _normalize(x, scale, module.dtype, module.epsilon, residual, axes, module.scale_offset, bias, norm)
+
+
+def _nnx_call(module, x, residual, mask, norm: str):
+    """Both nnx modules' `__call__`: x and the parameters through the module's
+    `promote_dtype` as flax passes them, the residual cast to x's dtype where that is exact,
+    then `_normalize`."""
+    scale = module.scale[...] if module.scale else None
+    if norm == "layer":
+        bias = module.bias[...] if module.bias else None
+        x, scale, bias = module.promote_dtype((x, scale, bias), dtype=module.dtype)
+    else:
+        bias = None
+        x, scale = module.promote_dtype((x, scale), dtype=module.dtype)
+    x = jnp.asarray(x)
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
+            residual = residual.astype(x.dtype)
+    scale, bias = (None if p is None else jnp.asarray(p) for p in (scale, bias))
+    axes = _check_options(module, x, mask)
+    return _normalize(x, scale, module.dtype, module.epsilon, residual, axes, module.scale_offset, bias, norm)
+
+
 class RMSNorm(nn.RMSNorm):
     """`flax.linen.RMSNorm` with the normalization computed by `rmsnorm_ffi.rms_norm`.
 
@@ -208,16 +243,7 @@ class RMSNorm(nn.RMSNorm):
     def __call__(self, x, residual=None, *, mask=None):
         """The norm of `x`; with `residual` (x's shape and dtype), ``(norm(h), h)`` for
         ``h = x + residual``, the add fused with the norm where the dtypes allow."""
-        x = jnp.asarray(x)
-        axes = _check_options(self, x, mask)
-        scale = None
-        if self.use_scale:
-            # flax's shape: the feature axes' lengths, in axis order.
-            k, features = axes
-            shape = tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
-            scale = self.param("scale", self.scale_init, shape, self.param_dtype)
-            scale = jnp.asarray(scale)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset)
+        return _linen_call(self, x, residual, mask, "rms")
 
 
 class NnxRMSNorm(nnx.RMSNorm):
@@ -239,22 +265,9 @@ class NnxRMSNorm(nnx.RMSNorm):
     def __call__(self, x, mask=None, *, residual=None):
         """The norm of `x`; with `residual`, ``(norm(h), h)`` for ``h = x + residual``, the
         residual cast to the dtype `promote_dtype` gave x when that cast is exact."""
-        scale = self.scale[...] if self.scale else None
-        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        x = jnp.asarray(x)
-        if residual is not None:
-            residual = jnp.asarray(residual)
-            if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
-                residual = residual.astype(x.dtype)
-        scale = None if scale is None else jnp.asarray(scale)
-        axes = _check_options(self, x, mask)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset)
+        return _nnx_call(self, x, residual, mask, "rms")
 
 
-def _param_shape(x, axes) -> tuple:
-    """flax's shape of the scale and the bias: the feature axes' lengths, in axis order."""
-    k, features = axes
-    return tuple(d for d, f in zip(x.shape[x.ndim - k:], features) if f)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -273,12 +286,7 @@ class LayerNorm(nn.LayerNorm):
     def __call__(self, x, residual=None, *, mask=None):
         """The norm of `x`; with `residual` (x's shape and dtype), ``(norm(h), h)`` for
         ``h = x + residual``, the add fused with the norm where the dtypes allow."""
-        x = jnp.asarray(x)
-        axes = _check_options(self, x, mask)
-        shape = _param_shape(x, axes)
-        scale = jnp.asarray(self.param("scale", self.scale_init, shape, self.param_dtype)) if self.use_scale else None
-        bias = jnp.asarray(self.param("bias", self.bias_init, shape, self.param_dtype)) if self.use_bias else None
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset, bias, "layer")
+        return _linen_call(self, x, residual, mask, "layer")
 
 
 class NnxLayerNorm(nnx.LayerNorm):
@@ -292,14 +300,4 @@ class NnxLayerNorm(nnx.LayerNorm):
 
     def __call__(self, x, *, mask=None, residual=None):
         """The norm of `x`; with `residual`, ``(norm(h), h)`` for ``h = x + residual``."""
-        scale = self.scale[...] if self.scale else None
-        bias = self.bias[...] if self.bias else None
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        x = jnp.asarray(x)
-        if residual is not None:
-            residual = jnp.asarray(residual)
-            if jnp.promote_types(residual.dtype, x.dtype) == x.dtype:
-                residual = residual.astype(x.dtype)
-        scale, bias = (None if p is None else jnp.asarray(p) for p in (scale, bias))
-        axes = _check_options(self, x, mask)
-        return _normalize(x, scale, self.dtype, self.epsilon, residual, axes, self.scale_offset, bias, "layer")
+        return _nnx_call(self, x, residual, mask, "layer")

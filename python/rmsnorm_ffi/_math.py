@@ -49,16 +49,32 @@ def tangent(x, weight, rstd, tx, tw, offset: float = 0.0):
     ``(tx, tw)``.
     """
     acc = acc_dtype(x.dtype)
-    xf, txf = x.astype(acc), tx.astype(acc)
     r = rstd.astype(acc)[..., None]
-    dr = -(r**3) * jnp.mean(xf * txf, axis=-1, keepdims=True)
-    ty = txf * r + xf * dr
-    w = _rows(weight, x.ndim, acc, offset)
+    ty, dr = _scaled_tangent(x.astype(acc), tx.astype(acc), r, weight, tw, offset)
+    return ty.astype(x.dtype), dr[..., 0].astype(rstd.dtype)
+
+
+def _scaled_tangent(c, tc, r, weight, tw, offset):
+    """The tangent of ``c * r * w`` (in `c`'s dtype) along ``(tc, tw)`` with ``r = 1 /
+    sqrt(mean(c**2) + eps)``: ``dr = -r**3 * mean(c * tc)``, ``(tc * r + c * dr) * w + c * r *
+    tw``; with ``dr``. Both norms' tangent: ``c`` is x for the RMS norm, ``x - mean`` for
+    LayerNorm."""
+    dr = -(r**3) * jnp.mean(c * tc, axis=-1, keepdims=True)
+    ty = tc * r + c * dr
+    w = _rows(weight, c.ndim, c.dtype, offset)
     if w is not None:
         ty = ty * w
         if tw is not None:
-            ty = ty + xf * r * _rows(tw, x.ndim, acc)
-    return ty.astype(x.dtype), dr[..., 0].astype(rstd.dtype)
+            ty = ty + c * r * _rows(tw, c.ndim, c.dtype)
+    return ty, dr
+
+
+def _grad_inputs(x, weight, rstd, dy, offset):
+    """The backward's inputs in the accumulation dtype: ``(acc, dy, r, g = dy * (offset + w))``."""
+    acc = acc_dtype(x.dtype)
+    dyf = dy.astype(acc)
+    w = _rows(weight, x.ndim, acc, offset)
+    return acc, dyf, rstd.astype(acc)[..., None], dyf if w is None else dyf * w
 
 
 def backward(x, weight, rstd, dy, offset: float = 0.0, dh=None):
@@ -66,11 +82,8 @@ def backward(x, weight, rstd, dy, offset: float = 0.0, dh=None):
     without weight): ``g = dy * (offset + w)``, ``dx = r * (g - x * r**2 * mean(g * x))``,
     plus ``dh`` (the fused residual's other gradient) before dx is rounded,
     ``dweight = sum over rows of dy * x * r`` (per weight row when the weight is batched)."""
-    acc = acc_dtype(x.dtype)
-    xf, dyf = x.astype(acc), dy.astype(acc)
-    r = rstd.astype(acc)[..., None]
-    w = _rows(weight, x.ndim, acc, offset)
-    g = dyf if w is None else dyf * w
+    acc, dyf, r, g = _grad_inputs(x, weight, rstd, dy, offset)
+    xf = x.astype(acc)
     dx = r * (g - xf * r**2 * jnp.mean(g * xf, axis=-1, keepdims=True))
     if dh is not None:
         dx = dx + dh.astype(acc)
@@ -122,18 +135,10 @@ def layer_tangent(x, weight, bias, mean, rstd, tx, tw, tb, offset: float = 0.0):
     ``c = x - mean``, ``tc = tx - mean(tx)``, ``dr = -r**3 * mean(c * tc)``,
     ``ty = (tc * r + c * dr) * w + c * r * tw + tb``. Linear in the tangents."""
     acc = acc_dtype(x.dtype)
-    xf, txf = x.astype(acc), tx.astype(acc)
-    r = rstd.astype(acc)[..., None]
-    c = _centred(xf, mean)
+    txf = tx.astype(acc)
     tm = jnp.mean(txf, axis=-1, keepdims=True)
-    tc = txf - tm
-    dr = -(r**3) * jnp.mean(c * tc, axis=-1, keepdims=True)
-    ty = tc * r + c * dr
-    w = _rows(weight, x.ndim, acc, offset)
-    if w is not None:
-        ty = ty * w
-        if tw is not None:
-            ty = ty + c * r * _rows(tw, x.ndim, acc)
+    r = rstd.astype(acc)[..., None]
+    ty, dr = _scaled_tangent(_centred(x.astype(acc), mean), txf - tm, r, weight, tw, offset)
     if tb is not None:
         ty = ty + _rows(tb, x.ndim, acc)
     return ty.astype(x.dtype), tm[..., 0].astype(mean.dtype), dr[..., 0].astype(rstd.dtype)
@@ -144,12 +149,8 @@ def layer_backward(x, weight, bias, mean, rstd, dy, offset: float = 0.0, dh=None
     (None for a parameter the call has not): ``g = dy * (offset + w)``, ``xhat = c * r``,
     ``dx = r * (g - mean(g) - xhat * mean(g * xhat))`` plus ``dh`` before dx is rounded,
     ``dweight = sum of dy * xhat``, ``dbias = sum of dy`` over the rows each is shared by."""
-    acc = acc_dtype(x.dtype)
-    xf, dyf = x.astype(acc), dy.astype(acc)
-    r = rstd.astype(acc)[..., None]
-    xhat = _centred(xf, mean) * r
-    w = _rows(weight, x.ndim, acc, offset)
-    g = dyf if w is None else dyf * w
+    acc, dyf, r, g = _grad_inputs(x, weight, rstd, dy, offset)
+    xhat = _centred(x.astype(acc), mean) * r
     dx = r * (g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
     if dh is not None:
         dx = dx + dh.astype(acc)

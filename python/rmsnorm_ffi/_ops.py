@@ -110,6 +110,17 @@ def _check_weight(op: str, x, weight, k: int = 1, name: str = "weight"):
     return weight.reshape(-1) if k > 1 else weight
 
 
+def _check_residual(op: str, x, residual):
+    """The residual of a fused op: x's shape and dtype."""
+    residual = _check_array(op, "residual", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+    return residual
+
+
 def _number(op: str, name: str, value) -> float:
     """A compile-time attribute as a float: a Python number, a NumPy scalar, or a concrete 0-d
     array of a real dtype (models that keep eps in their parameters or configs as an array, as
@@ -221,12 +232,7 @@ def rms_norm_residual(x, residual, weight=None, eps: float = 1e-5, *, scale_offs
     """
     op = "rms_norm_residual"
     x, k = _check_x(op, x, axis)
-    residual = _check_array(op, "residual", residual)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
-            f"got {tuple(residual.shape)} {residual.dtype}"
-        )
+    residual = _check_residual(op, x, residual)
     weight = _check_weight(op, x, weight, k)
     eps = _check_eps(op, eps)
     offset = _check_scale_offset(op, scale_offset, weight)
@@ -353,12 +359,7 @@ def layer_norm_residual(x, residual, weight=None, bias=None, eps: float = 1e-5, 
     bias, the gradient reaching x being the norm's plus h's, rounded once."""
     op = "layer_norm_residual"
     x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
-    residual = _check_array(op, "residual", residual)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"{op}: residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
-            f"got {tuple(residual.shape)} {residual.dtype}"
-        )
+    residual = _check_residual(op, x, residual)
     _check_platform(op, RESIDUAL_TARGET, norm="layer")
     y, h, *_ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset, bias=bias, norm="layer")
     return y.reshape(x.shape), h.reshape(x.shape)

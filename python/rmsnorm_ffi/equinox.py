@@ -25,6 +25,21 @@ from rmsnorm_ffi._ops import layer_norm, rms_norm
 _SENTINEL = object()
 
 
+def _checked(module, x, name: str):
+    """x as an array of the module's shape, and equinox's compute dtype for it
+    (`result_type(x, float32)`)."""
+    x = jnp.asarray(x)
+    if x.shape != module.shape:
+        raise ValueError(
+            f"rmsnorm_ffi.equinox.{name}: x must have the module's shape (`shape == x.shape`), "
+            f"got shape={module.shape} and x.shape={x.shape}; for a batch, use jax.vmap(norm)(x)"
+        )
+    if x.ndim == 0:
+        raise ValueError(f"rmsnorm_ffi.equinox.{name}: shape () normalizes nothing; give x at least one axis")
+    with jax.numpy_dtype_promotion("standard"):
+        return x, jnp.result_type(x.dtype, jnp.float32)
+
+
 class RMSNorm(eqx.nn.RMSNorm):
     """`equinox.nn.RMSNorm` with the normalization computed by `rmsnorm_ffi.rms_norm` over all of
     `shape` (its trailing axes; see the module docstring)."""
@@ -32,17 +47,8 @@ class RMSNorm(eqx.nn.RMSNorm):
     def __call__(self, x, state=_SENTINEL, *, key=None):
         """The norm of `x` (shape `self.shape`); with `state`, ``(y, state)``, the state passed
         through unchanged (equinox's BatchNorm-compatible form). `key` is ignored."""
-        x = jnp.asarray(x)
-        if x.shape != self.shape:
-            raise ValueError(
-                "rmsnorm_ffi.equinox.RMSNorm: x must have the module's shape (`shape == x.shape`), "
-                f"got shape={self.shape} and x.shape={x.shape}; for a batch, use jax.vmap(norm)(x)"
-            )
-        if x.ndim == 0:
-            raise ValueError("rmsnorm_ffi.equinox.RMSNorm: shape () normalizes nothing; give x at least one axis")
+        x, dtype = _checked(self, x, "RMSNorm")
         orig_dtype = x.dtype
-        with jax.numpy_dtype_promotion("standard"):
-            dtype = jnp.result_type(x.dtype, jnp.float32)
         weight = self.weight.astype(dtype) if self.use_weight else None
         axis = tuple(range(-x.ndim, 0))
         if self.use_bias:
@@ -64,16 +70,7 @@ class LayerNorm(eqx.nn.LayerNorm):
 
     def __call__(self, x, state=_SENTINEL, *, key=None):
         """The norm of `x` (shape `self.shape`); with `state`, ``(y, state)``."""
-        x = jnp.asarray(x)
-        if x.shape != self.shape:
-            raise ValueError(
-                "rmsnorm_ffi.equinox.LayerNorm: x must have the module's shape (`shape == x.shape`), "
-                f"got shape={self.shape} and x.shape={x.shape}; for a batch, use jax.vmap(norm)(x)"
-            )
-        if x.ndim == 0:
-            raise ValueError("rmsnorm_ffi.equinox.LayerNorm: shape () normalizes nothing; give x at least one axis")
-        with jax.numpy_dtype_promotion("standard"):
-            dtype = jnp.result_type(x.dtype, jnp.float32)
+        x, dtype = _checked(self, x, "LayerNorm")
         weight = self.weight.astype(dtype) if self.use_weight else None
         bias = self.bias.astype(dtype) if self.use_bias else None
         axis = tuple(range(-x.ndim, 0))

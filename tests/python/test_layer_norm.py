@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_python
+from test_sharding import PRELUDE
 
 import rmsnorm_ffi
 from rmsnorm_ffi import layer_norm, layer_norm_bwd, layer_norm_fwd, layer_norm_reference, layer_norm_residual
@@ -313,20 +314,10 @@ def test_flax_nnx_and_equinox_modules_match_the_originals():
 # ---------------------------------------------------------------------------------------------
 # Meshes: rows sharded (explicit and automatic), the hidden axis sharded
 
-MESHES = textwrap.dedent(
+# test_sharding's prelude: its imports and `collectives` (every collective of a compiled HLO).
+MESHES = PRELUDE + textwrap.dedent(
     r"""
-    import json, re
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from rmsnorm_ffi import layer_norm, layer_norm_reference
-
-    def collectives(fn, *args):
-        hlo = fn.lower(*args).compile().as_text()
-        found = []
-        for m in re.finditer(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", hlo):
-            dims = [int(d) for d in m.group(2).split(",") if d]
-            found.append((m.group(3), int(np.prod(dims)) if dims else 1))
-        return found
+    from rmsnorm_ffi import layer_norm
 
     out = []
     for kind in (AxisType.Explicit, AxisType.Auto):

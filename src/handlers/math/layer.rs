@@ -23,7 +23,7 @@
 //! [`SUM_BLOCK`] elements, added into compensated float64 lanes), so the error does not grow
 //! with the row and the bits are the same on every instruction set.
 
-use super::{Accum, Element, RowSum, WideSum, LANES, SUM_BLOCK};
+use super::{Accum, Element, RowSum, WideSum, BLOCK_CHUNKS, LANES};
 
 /// A row's statistics: the mean rounded once to `A` (what the forward returns), the mean of
 /// the deviations from it (`d` above), and rstd.
@@ -58,39 +58,78 @@ impl<'a, A: Accum> Moments<'a, A> {
     }
 }
 
-/// `K` sums along a row of `n`, the terms of element `i` given by `term(i)`, blocked as the RMS
-/// norm's sums: lane `i % LANES` of a block of [`SUM_BLOCK`] elements, each block added into
-/// the float64 lanes.
+/// `K` sums along a row of `n` elements: `chunk(c)` gives the terms of the `c`-th [`LANES`]
+/// elements, lane by lane, and `tail(j)` those of element `j` of the tail after the last whole
+/// chunk. Blocked as the RMS norm's sums: per [`SUM_BLOCK`] elements, [`LANES`] accumulators in
+/// `A`, each block (and the tail, as a block of its own) added into compensated float64 lanes
+/// ([`RowSum`]). A row of one block and a tail is totalled in float64 by a fixed tree instead,
+/// its lanes paired level by level: at most 32 terms each far wider than `A`'s rounding, so
+/// within a few float64 units, where the compensated chain's 16 dependent steps were most of
+/// a short row's time.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // the lane is an element's offset as well as acc's index
-fn sums<A: Accum, const K: usize>(n: usize, term: impl Fn(usize) -> [A; K]) -> [f64; K] {
-    let mut out = [RowSum::new(); K];
-    let mut start = 0;
-    while start < n {
-        let end = (start + SUM_BLOCK).min(n);
+#[allow(clippy::needless_range_loop)] // a tail element's index is also its lane
+fn sums<A: Accum, const K: usize>(
+    n: usize,
+    chunk: impl Fn(usize) -> [[A; LANES]; K],
+    tail: impl Fn(usize) -> [A; K],
+) -> [f64; K] {
+    let chunks = n / LANES;
+    let mut tails = [[A::ZERO; LANES]; K];
+    for j in 0..n % LANES {
+        let t = tail(j);
+        for k in 0..K {
+            tails[k][j] = t[k];
+        }
+    }
+    let block = |first: usize, last: usize| {
         let mut acc = [[A::ZERO; LANES]; K];
-        let mut i = start;
-        while i + LANES <= end {
-            for l in 0..LANES {
-                let t = term(i + l);
-                for k in 0..K {
-                    acc[k][l] = acc[k][l] + t[k];
+        for c in first..last {
+            let t = chunk(c);
+            for k in 0..K {
+                for (a, v) in acc[k].iter_mut().zip(t[k]) {
+                    *a = *a + v;
                 }
             }
-            i += LANES;
         }
-        for l in 0..end - i {
-            let t = term(i + l);
-            for k in 0..K {
-                acc[k][l] = acc[k][l] + t[k];
-            }
+        acc
+    };
+    if chunks <= BLOCK_CHUNKS {
+        let acc = block(0, chunks);
+        let mut out = [0.0; K];
+        for k in 0..K {
+            out[k] = tree_total(&acc[k]) + tree_total(&tails[k]);
         }
+        return out;
+    }
+    let mut out = [RowSum::new(); K];
+    for first in (0..chunks).step_by(BLOCK_CHUNKS) {
+        let acc = block(first, (first + BLOCK_CHUNKS).min(chunks));
         for k in 0..K {
             out[k].add(&acc[k]);
         }
-        start = end;
+    }
+    for k in 0..K {
+        out[k].add(&tails[k]);
     }
     RowSum::totals(out)
+}
+
+/// The float64 sum of [`LANES`] accumulators, pairwise in a fixed order (lane `l` with lane
+/// `l + half`, halving), so the same bits on every instruction set.
+#[inline(always)]
+fn tree_total<A: Accum>(acc: &[A; LANES]) -> f64 {
+    let mut v = [0.0; LANES];
+    for (o, a) in v.iter_mut().zip(acc) {
+        *o = a.to_f64();
+    }
+    let mut half = LANES / 2;
+    while half > 0 {
+        for l in 0..half {
+            v[l] += v[l + half];
+        }
+        half /= 2;
+    }
+    v[0]
 }
 
 /// The shift and rstd of a row given its rounded mean `m`: from the sums of `x - m` and of its
@@ -99,10 +138,25 @@ fn sums<A: Accum, const K: usize>(n: usize, term: impl Fn(usize) -> [A; K]) -> [
 #[inline(always)]
 pub fn centred<T: Element, A: Accum>(x: &[T], m: A, eps: A) -> (A, A) {
     let n = x.len() as f64;
-    let [s1, s2] = sums::<A, 2>(x.len(), |i| {
-        let c = A::load(x[i]) - m;
-        [c, c * c]
-    });
+    let (xb, xt) = x.as_chunks::<LANES>();
+    let [s1, s2] = sums::<A, 2>(
+        x.len(),
+        #[inline(always)]
+        |c| {
+            let mut t = [[A::ZERO; LANES]; 2];
+            for l in 0..LANES {
+                let d = A::load(xb[c][l]) - m;
+                t[0][l] = d;
+                t[1][l] = d * d;
+            }
+            t
+        },
+        #[inline(always)]
+        |j| {
+            let d = A::load(xt[j]) - m;
+            [d, d * d]
+        },
+    );
     let d = s1 / n;
     let var = s2 / n - d * d;
     let var = if var < 0.0 { 0.0 } else { var };
@@ -112,10 +166,23 @@ pub fn centred<T: Element, A: Accum>(x: &[T], m: A, eps: A) -> (A, A) {
     )
 }
 
-/// The mean of a row, rounded once to `A` (its sum taken as [`RowSum`] takes sums).
+/// The mean of a row, rounded once to `A` (its sum taken as [`sums`] takes sums).
 #[inline(always)]
 pub fn mean<T: Element, A: Accum>(x: &[T]) -> A {
-    let [sum] = sums::<A, 1>(x.len(), |i| [A::load(x[i])]);
+    let (xb, xt) = x.as_chunks::<LANES>();
+    let [sum] = sums::<A, 1>(
+        x.len(),
+        #[inline(always)]
+        |c| {
+            let mut t = [A::ZERO; LANES];
+            for (o, &v) in t.iter_mut().zip(&xb[c]) {
+                *o = A::load(v);
+            }
+            [t]
+        },
+        #[inline(always)]
+        |j| [A::load(xt[j])],
+    );
     A::from_f64(sum / x.len() as f64)
 }
 
@@ -230,39 +297,72 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
             (s.mean, s.rstd)
         }
     };
-    let g = |i: usize| match w {
-        Some(w) => A::load(dy[i]) * A::load(w[i]),
-        None => A::load(dy[i]),
-    };
     // The first pass: sum(x - m) (the shift, with the forward's bits), sum(g), sum(g * (x - m)).
-    let [s1, sg, sgc] = sums::<A, 3>(n, |i| {
-        let c = A::load(x[i]) - m;
-        let gi = g(i);
-        [c, gi, gi * c]
-    });
+    let (xb, xt) = x.as_chunks::<LANES>();
+    let (db, dt) = dy.as_chunks::<LANES>();
+    let wb = w.map(|w| w.as_chunks::<LANES>());
+    let terms = |c: A, g: A| [c, g, g * c];
+    let [s1, sg, sgc] = sums::<A, 3>(
+        n,
+        #[inline(always)]
+        |k| {
+            let mut t = [[A::ZERO; LANES]; 3];
+            for l in 0..LANES {
+                let c = A::load(xb[k][l]) - m;
+                let g = match wb {
+                    Some((wb, _)) => A::load(db[k][l]) * A::load(wb[k][l]),
+                    None => A::load(db[k][l]),
+                };
+                t[0][l] = c;
+                t[1][l] = g;
+                t[2][l] = g * c;
+            }
+            t
+        },
+        #[inline(always)]
+        |j| {
+            let g = A::load(dt[j]);
+            terms(
+                A::load(xt[j]) - m,
+                wb.map_or(g, |(_, wt)| g * A::load(wt[j])),
+            )
+        },
+    );
     let nf = n as f64;
     let d = A::from_f64(s1 / nf);
     // mean(g) and mean(g * xhat) = r * (sum(g * (x - m)) - d * sum(g)) / n, in float64.
     let c1 = A::from_f64(sg / nf);
     let c2 = A::from_f64((sgc - d.to_f64() * sg) / nf * r.to_f64());
-    let xhat = |i: usize| (A::load(x[i]) - m - d) * r;
-    match dh {
-        Some(dh) => {
-            for (i, o) in dx.iter_mut().enumerate() {
-                *o = (r * (g(i) - c1 - xhat(i) * c2) + A::load(dh[i])).store();
+    let xhat = |v: T| (A::load(v) - m - d) * r;
+    let dx_of = |v: T, g: A| r * (g - c1 - xhat(v) * c2);
+    // One loop per case, each without branches, so that they vectorize.
+    match (w, dh) {
+        (Some(w), Some(dh)) => {
+            for (((o, &v), (&dv, &wv)), &hv) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)).zip(dh) {
+                *o = (dx_of(v, A::load(dv) * A::load(wv)) + A::load(hv)).store();
             }
         }
-        None => {
-            for (i, o) in dx.iter_mut().enumerate() {
-                *o = (r * (g(i) - c1 - xhat(i) * c2)).store();
+        (Some(w), None) => {
+            for ((o, &v), (&dv, &wv)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
+                *o = dx_of(v, A::load(dv) * A::load(wv)).store();
+            }
+        }
+        (None, Some(dh)) => {
+            for (((o, &v), &dv), &hv) in dx.iter_mut().zip(x).zip(dy).zip(dh) {
+                *o = (dx_of(v, A::load(dv)) + A::load(hv)).store();
+            }
+        }
+        (None, None) => {
+            for ((o, &v), &dv) in dx.iter_mut().zip(x).zip(dy) {
+                *o = dx_of(v, A::load(dv)).store();
             }
         }
     }
     if let Some(acc) = acc {
         let (dw, db) = acc.split_at_mut(n);
-        for (i, (aw, ab)) in dw.iter_mut().zip(db.iter_mut()).enumerate() {
-            let gy = A::load(dy[i]);
-            *aw = aw.add((gy * xhat(i)).to_f64());
+        for (((aw, ab), &v), &dv) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(dy) {
+            let gy = A::load(dv);
+            *aw = aw.add((gy * xhat(v)).to_f64());
             *ab = ab.add(gy.to_f64());
         }
     }
