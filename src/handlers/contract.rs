@@ -51,6 +51,51 @@ impl Norm {
     }
 }
 
+xla_ffi_bundles::ffi_int_enum! {
+    /// Which part of a split row a call computes (attribute `split`; absent: the whole row).
+    /// When a mesh shards the normalized axis itself (tensor-parallel activations), no device
+    /// holds a whole row: each runs a sums pass over its slice, the devices all-reduce those
+    /// per-row sums (a few floats per row, never the activations), and each runs the apply
+    /// pass over its slice given the whole row's sums. Every sum is in the accumulation dtype,
+    /// `sums` shaped `(*rows, k)`; `full_len` is the whole row's length (what the sums are
+    /// divided by). Per norm, forward (`rmsnorm_fwd`):
+    ///
+    /// - `Sums`: `(x) -> (sums)`, k = 1: the RMS norm's `sum(x^2)`, LayerNorm's `sum(x)`;
+    /// - `CentredSums` (LayerNorm): `(x, mean) -> (sums)`, k = 2: `sum(x - m)`,
+    ///   `sum((x - m)^2)` about the mean `m` taken from the first all-reduce;
+    /// - `Apply`: the whole forward's operands, then `[mean]` (LayerNorm) and the all-reduced
+    ///   `sums` (of the last sums pass) -> the whole forward's results.
+    ///
+    /// Backward (`rmsnorm_bwd`, given the statistics; the RMS norm with `eps` takes rstd from
+    /// the row, its sum of squares travelling with the dot products):
+    ///
+    /// - `Sums`: the whole backward's arguments -> `(sums)`: the RMS norm's `sum(g * x)`
+    ///   (and `sum(x^2)` with `eps`: k = 2), LayerNorm's `sum(x - m)`, `sum(g)`,
+    ///   `sum(g * (x - m))` (k = 3), with `g = dy * w`;
+    /// - `Apply`: the whole backward's arguments, then the all-reduced `sums` -> dx and this
+    ///   device's rows' gradient sums (dweight, dbias) in the accumulation dtype, for the
+    ///   caller to all-reduce over the mesh axes that shard the rows and round once.
+    pub enum Split {
+        Sums = 1,
+        CentredSums = 2,
+        Apply = 3,
+    }
+}
+
+impl Split {
+    /// The sums per row a sums pass of `norm` returns (`backward`: of the backward; `squares`:
+    /// a backward that takes rstd from x).
+    pub const fn sums(self, norm: Norm, backward: bool, squares: bool) -> usize {
+        match (norm, backward, self) {
+            (Norm::Rms, false, _) => 1,
+            (Norm::Rms, true, _) => 1 + squares as usize,
+            (Norm::Layer, false, Split::CentredSums | Split::Apply) => 2,
+            (Norm::Layer, false, Split::Sums) => 1,
+            (Norm::Layer, true, _) => 3,
+        }
+    }
+}
+
 /// Longest row (normalized axis) accepted: keeps workspaces and the GPU scratch bounded.
 pub const MAX_ROW_LEN: i64 = 1 << 26;
 

@@ -3,7 +3,7 @@
 //! arguments and results must have, checked against those attributes and the op contract
 //! ([`super::contract`]). Every check names the attribute or operand it rejects.
 
-use super::contract::{self, DtypePair, Norm};
+use super::contract::{self, DtypePair, Norm, Split};
 use super::error::HandlerError;
 use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, ArgsView, DataType, FfiError, FfiResult, Operand, Platform, ResultList,
@@ -29,6 +29,10 @@ xla_ffi_bundles::ffi_attrs! {
         /// Present and true (LayerNorm only): the argument after the weight (or x) is a bias
         /// added to y, shaped and typed as a weight. Absent: false.
         pub has_bias: Option<bool>,
+        /// Present: the part of a split row the call computes (`contract::Split`; CPU only).
+        pub split: Option<Split>,
+        /// With `split`: the whole row's length (`row_len` is this device's slice's).
+        pub full_len: Option<i64>,
     }
 }
 
@@ -57,6 +61,50 @@ xla_ffi_bundles::ffi_attrs! {
         /// Present and true (LayerNorm only): the call has one more result after dweight (or
         /// dx), the bias's gradient. Absent: false.
         pub has_bias: Option<bool>,
+        /// As the forward's (`Sums` or `Apply`).
+        pub split: Option<Split>,
+        /// As the forward's.
+        pub full_len: Option<i64>,
+    }
+}
+
+/// `split` and `full_len` checked against each other, the norm and the row: the whole row's
+/// length (`full_len`, at least the slice's `row_len`) for a split call, `None` for a whole
+/// one. `backward`: a backward call (no `CentredSums`; LayerNorm given its statistics).
+pub fn check_split(
+    split: Option<Split>,
+    full_len: Option<i64>,
+    row_len: usize,
+    norm: Norm,
+    backward: bool,
+) -> Result<Option<usize>, HandlerError> {
+    let Some(split) = split else {
+        return match full_len {
+            Some(_) => Err(HandlerError::attribute(
+                "full_len",
+                "is the length of a split row: it needs `split`",
+            )),
+            None => Ok(None),
+        };
+    };
+    if split == Split::CentredSums && (backward || !norm.centred()) {
+        return Err(HandlerError::attribute(
+            "split",
+            "CentredSums (2) is LayerNorm's forward's second sums pass",
+        ));
+    }
+    match full_len {
+        Some(len) if (row_len as i64..=MAX_ROW_LEN).contains(&len) && len > 0 => {
+            Ok(Some(len as usize))
+        }
+        Some(len) => Err(HandlerError::attribute(
+            "full_len",
+            format!("must be in {}..={MAX_ROW_LEN} and > 0 (the slice has row_len={row_len}), got {len}", row_len.max(1)),
+        )),
+        None => Err(HandlerError::attribute(
+            "full_len",
+            "a split call needs the whole row's length",
+        )),
     }
 }
 
@@ -285,6 +333,9 @@ pub struct ForwardForm {
     pub has_weight: bool,
     pub has_bias: bool,
     pub row_len: usize,
+    /// `Some(Split::Apply)`: the call is a split row's apply pass (its sums passes have
+    /// operands of their own: [`sums_operands`]).
+    pub split: Option<Split>,
 }
 
 impl ForwardForm {
@@ -295,6 +346,7 @@ impl ForwardForm {
             has_weight,
             has_bias: false,
             row_len,
+            split: None,
         }
     }
 
@@ -317,6 +369,76 @@ pub struct ForwardOperands<'a, 'r, P: Platform> {
     /// The contract's pair for x's and the weight's dtypes.
     pub pair: DtypePair,
     pub layout: Layout,
+    /// A split row's apply pass: LayerNorm's mean and the whole rows' sums.
+    pub split: Option<SplitInputs<'a, P>>,
+}
+
+/// The arguments an apply pass adds after the whole call's (see `contract::Split`).
+pub struct SplitInputs<'a, P: Platform> {
+    /// LayerNorm's mean (a forward's; a backward's is among its statistics).
+    pub mean: Option<AnyBuffer<'a, P>>,
+    pub sums: AnyBuffer<'a, P>,
+    /// Sums per row.
+    pub k: usize,
+}
+
+/// A split call's `sums`: the pair's accumulation dtype, x's leading shape and then `k`.
+fn expect_sums<P: Platform>(
+    operand: Operand,
+    dtype: DataType,
+    dims: &[i64],
+    x: &AnyBuffer<'_, P>,
+    pair: DtypePair,
+    k: usize,
+) -> Result<(), HandlerError> {
+    let mut want = x.dims()[..x.rank() - 1].to_vec();
+    want.push(k as i64);
+    expect(operand, dtype, dims, pair.accumulation(), &want)
+}
+
+/// The checked operands of a split row's sums pass (forward or backward): the whole call's
+/// arguments (x, and the rest for a backward, checked by `backward_operands`), LayerNorm's
+/// mean in a `CentredSums` pass, and the one result, the sums.
+pub struct SumsOperands<'a, 'r, P: Platform> {
+    pub x: AnyBuffer<'a, P>,
+    pub mean: Option<AnyBuffer<'a, P>>,
+    pub sums: AnyResult<'r, P>,
+    pub k: usize,
+    pub pair: DtypePair,
+    pub layout: Layout,
+}
+
+/// Decodes and checks a forward sums pass: `(x) -> (sums)`, or LayerNorm's `CentredSums`
+/// `(x, mean) -> (sums)`.
+pub fn sums_operands<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
+    norm: Norm,
+    split: Split,
+    row_len: usize,
+) -> FfiResult<SumsOperands<'a, 'r, P>> {
+    let centred = split == Split::CentredSums;
+    count("arguments", args.len(), 1 + centred as usize)?;
+    count("results", rets.len(), 1)?;
+    let (x, _, pair, layout) = x_and_weight(args, false, row_len)?;
+    let mean = if centred {
+        let mean = args.get(1)?;
+        expect_rstd(mean.operand(), mean.dtype(), mean.dims(), &x, pair)?;
+        Some(mean)
+    } else {
+        None
+    };
+    let k = split.sums(norm, false, false);
+    let sums = result(rets, 0)?;
+    expect_sums(sums.operand(), sums.dtype(), sums.dims(), &x, pair, k)?;
+    Ok(SumsOperands {
+        x,
+        mean,
+        sums,
+        k,
+        pair,
+        layout,
+    })
 }
 
 /// Decodes and checks a forward call: counts, x, weight and bias against the attributes, y of
@@ -326,11 +448,39 @@ pub fn forward_operands<'a, 'r, P: Platform>(
     rets: &mut ResultList<'r, P>,
     form: ForwardForm,
 ) -> FfiResult<ForwardOperands<'a, 'r, P>> {
-    count("arguments", args.len(), 1 + form.params())?;
+    let apply = form.split == Some(Split::Apply);
+    let extra = if apply {
+        1 + form.norm.centred() as usize
+    } else {
+        0
+    };
+    count("arguments", args.len(), 1 + form.params() + extra)?;
     count("results", rets.len(), 1 + form.norm.statistics().len())?;
     let x = args.get(0)?;
     let (rows, n) = check_x(&x, form.row_len)?;
-    forward_rest(args, rets, form, x, (rows, n), 1, 1)
+    let mut ops = forward_rest(args, rets, form, x, (rows, n), 1, 1)?;
+    if apply {
+        let first = 1 + form.params();
+        let mean = if form.norm.centred() {
+            let mean = args.get(first)?;
+            expect_rstd(mean.operand(), mean.dtype(), mean.dims(), &ops.x, ops.pair)?;
+            Some(mean)
+        } else {
+            None
+        };
+        let sums = args.get(first + mean.is_some() as usize)?;
+        let k = Split::Apply.sums(form.norm, false, false);
+        expect_sums(
+            sums.operand(),
+            sums.dtype(),
+            sums.dims(),
+            &ops.x,
+            ops.pair,
+            k,
+        )?;
+        ops.split = Some(SplitInputs { mean, sums, k });
+    }
+    Ok(ops)
 }
 
 /// The rest of a forward call after x (and the residual): the weight and bias from argument
@@ -378,6 +528,7 @@ fn forward_rest<'a, 'r, P: Platform>(
         rstd,
         pair,
         layout,
+        split: None,
     })
 }
 
@@ -455,6 +606,8 @@ pub struct BackwardOperands<'a, 'r, P: Platform> {
     /// The contract's pair for x's and the weight's dtypes.
     pub pair: DtypePair,
     pub layout: Layout,
+    /// A split row's apply pass: the whole rows' sums.
+    pub split: Option<SplitInputs<'a, P>>,
 }
 
 /// Which optional operands a backward call has.
@@ -469,10 +622,94 @@ pub struct BackwardForm {
     /// `dh` follows dy.
     pub has_dh: bool,
     pub row_len: usize,
+    /// `Some(Split::Apply)`: a split row's apply pass (the sums follow the whole call's
+    /// arguments; the gradients are this device's rows' sums, in the accumulation dtype). Its
+    /// sums pass has operands of its own: [`backward_sums_operands`].
+    pub split: Option<Split>,
+}
+
+/// A backward's statistics (from argument `first`: LayerNorm's mean, then rstd, each where
+/// the call has them) and dy after them, checked against x.
+#[allow(clippy::type_complexity)]
+fn statistics_and_dy<'a, P: Platform>(
+    args: &ArgsView<'a, P>,
+    x: &AnyBuffer<'a, P>,
+    pair: DtypePair,
+    (norm, has_rstd): (Norm, bool),
+    first: usize,
+) -> FfiResult<(
+    Option<AnyBuffer<'a, P>>,
+    Option<AnyBuffer<'a, P>>,
+    AnyBuffer<'a, P>,
+)> {
+    let mean = if has_rstd && norm.centred() {
+        Some(args.get(first)?)
+    } else {
+        None
+    };
+    let rstd = if has_rstd {
+        Some(args.get(first + mean.is_some() as usize)?)
+    } else {
+        None
+    };
+    let dy = args.get(first + mean.is_some() as usize + rstd.is_some() as usize)?;
+    for s in mean.iter().chain(&rstd) {
+        expect_rstd(s.operand(), s.dtype(), s.dims(), x, pair)?;
+    }
+    expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
+    Ok((mean, rstd, dy))
+}
+
+/// The checked operands of a split backward's sums pass: the whole call's arguments without dh
+/// (x, [weight], [statistics], dy), and the sums.
+pub struct BackwardSumsOperands<'a, 'r, P: Platform> {
+    pub x: AnyBuffer<'a, P>,
+    pub w: Option<AnyBuffer<'a, P>>,
+    pub mean: Option<AnyBuffer<'a, P>>,
+    pub rstd: Option<AnyBuffer<'a, P>>,
+    pub dy: AnyBuffer<'a, P>,
+    pub sums: AnyResult<'r, P>,
+    pub k: usize,
+    pub pair: DtypePair,
+    pub layout: Layout,
+}
+
+/// Decodes and checks a split backward's sums pass (see `contract::Split`).
+pub fn backward_sums_operands<'a, 'r, P: Platform>(
+    args: &ArgsView<'a, P>,
+    rets: &mut ResultList<'r, P>,
+    form: BackwardForm,
+) -> FfiResult<BackwardSumsOperands<'a, 'r, P>> {
+    let has_w = form.has_weight as usize;
+    let has_r = if form.has_rstd {
+        form.norm.statistics().len()
+    } else {
+        0
+    };
+    count("arguments", args.len(), 2 + has_w + has_r)?;
+    count("results", rets.len(), 1)?;
+    let (x, w, pair, layout) = x_and_weight(args, form.has_weight, form.row_len)?;
+    let (mean, rstd, dy) =
+        statistics_and_dy(args, &x, pair, (form.norm, form.has_rstd), 1 + has_w)?;
+    let k = Split::Sums.sums(form.norm, true, !form.has_rstd);
+    let sums = result(rets, 0)?;
+    expect_sums(sums.operand(), sums.dtype(), sums.dims(), &x, pair, k)?;
+    Ok(BackwardSumsOperands {
+        x,
+        w,
+        mean,
+        rstd,
+        dy,
+        sums,
+        k,
+        pair,
+        layout,
+    })
 }
 
 /// Decodes and checks a backward call: arguments (x, [weight], [statistics], dy, [dh]),
-/// results (dx, [dweight], [dbias]), each against x, the weight and the attributes.
+/// results (dx, [dweight], [dbias]), each against x, the weight and the attributes; a split
+/// row's apply pass has the sums after them and its gradients in the accumulation dtype.
 pub fn backward_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
@@ -485,44 +722,54 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         has_rstd,
         has_dh,
         row_len,
+        split,
     } = form;
+    let apply = split == Some(Split::Apply);
     let has_w = has_weight as usize;
     let has_r = if has_rstd { norm.statistics().len() } else { 0 };
-    count("arguments", args.len(), 2 + has_w + has_r + has_dh as usize)?;
+    let n_args = 2 + has_w + has_r + has_dh as usize;
+    count("arguments", args.len(), n_args + apply as usize)?;
     count("results", rets.len(), 1 + has_w + has_bias as usize)?;
     let (x, w, mut pair, mut layout) = x_and_weight(args, has_weight, row_len)?;
+    // The gradients' dtype: the weight's (the bias's), or in an apply pass the sums' own.
+    let grad_dtype = |pair: DtypePair, param: DataType| {
+        if apply {
+            pair.accumulation()
+        } else {
+            param
+        }
+    };
     let db = if has_bias {
         let db = result(rets, 1 + has_w)?;
         match &w {
-            Some(w) => expect(db.operand(), db.dtype(), db.dims(), w.dtype(), w.dims())?,
+            Some(w) => expect(
+                db.operand(),
+                db.dtype(),
+                db.dims(),
+                grad_dtype(pair, w.dtype()),
+                w.dims(),
+            )?,
             None => {
                 // The bias's gradient sets the pair and the groups, as a weight would.
                 layout.groups = check_weight_like(&x, db.operand(), db.dtype(), db.dims())?;
                 pair = DtypePair::of(x.dtype(), Some(db.dtype())).ok_or_else(|| {
                     FfiError::internal("the checked dtypes have no pair in the contract")
                 })?;
+                if apply && db.dtype() != pair.accumulation() {
+                    return Err(HandlerError::dtype(
+                        db.operand(),
+                        &[pair.accumulation()],
+                        db.dtype(),
+                    )
+                    .into());
+                }
             }
         }
         Some(db)
     } else {
         None
     };
-    let stats = 1 + has_w;
-    let mean = if has_rstd && norm.centred() {
-        Some(args.get(stats)?)
-    } else {
-        None
-    };
-    let rstd = if has_rstd {
-        Some(args.get(stats + mean.is_some() as usize)?)
-    } else {
-        None
-    };
-    let dy = args.get(1 + has_w + has_r)?;
-    for s in mean.iter().chain(&rstd) {
-        expect_rstd(s.operand(), s.dtype(), s.dims(), &x, pair)?;
-    }
-    expect(dy.operand(), dy.dtype(), dy.dims(), x.dtype(), x.dims())?;
+    let (mean, rstd, dy) = statistics_and_dy(args, &x, pair, (norm, has_rstd), 1 + has_w)?;
     let dh = if has_dh {
         let dh = args.get(2 + has_w + has_r)?;
         expect(dh.operand(), dh.dtype(), dh.dims(), x.dtype(), x.dims())?;
@@ -535,10 +782,23 @@ pub fn backward_operands<'a, 'r, P: Platform>(
     let dw = match &w {
         Some(w) => {
             let dw = result(rets, 1)?;
-            expect(dw.operand(), dw.dtype(), dw.dims(), w.dtype(), w.dims())?;
+            let want = grad_dtype(pair, w.dtype());
+            expect(dw.operand(), dw.dtype(), dw.dims(), want, w.dims())?;
             Some(dw)
         }
         None => None,
+    };
+    let split = if apply {
+        let sums = args.get(n_args)?;
+        let k = Split::Apply.sums(norm, true, !has_rstd);
+        expect_sums(sums.operand(), sums.dtype(), sums.dims(), &x, pair, k)?;
+        Some(SplitInputs {
+            mean: None,
+            sums,
+            k,
+        })
+    } else {
+        None
     };
     Ok(BackwardOperands {
         x,
@@ -552,5 +812,6 @@ pub fn backward_operands<'a, 'r, P: Platform>(
         dh,
         pair,
         layout,
+        split,
     })
 }

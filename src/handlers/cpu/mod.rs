@@ -17,17 +17,17 @@ pub mod simd;
 
 use half::{bf16, f16};
 
-use super::contract::{DtypePair, Float, Norm};
+use super::contract::{DtypePair, Float, Norm, Split};
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 use super::math::{
     add_into, backward_row_adding, backward_rows, backward_rows_paired, forward_row, forward_rows,
-    layer::{self, Moments},
+    layer::{self, Moments, SplitRows},
     offset_weights, Accum, Compensated, Element, Rstd, WideSum,
 };
 use super::operands::{
-    backward_operands, check_eps, check_norm, check_row_len, check_scale_offset, forward_operands,
-    residual_operands, BackwardForm, BackwardOperands, ForwardForm, ForwardOperands, Layout,
-    ResidualOperands,
+    backward_operands, check_eps, check_norm, check_row_len, check_scale_offset, check_split,
+    forward_operands, residual_operands, BackwardForm, BackwardOperands, ForwardForm,
+    ForwardOperands, Layout, ResidualOperands, SplitInputs,
 };
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
@@ -64,6 +64,8 @@ pub struct ForwardState {
     offset_weights: OffsetWeights,
     norm: Norm,
     has_bias: bool,
+    /// A split row's pass (`contract::Split`), and the whole row's length.
+    split: Option<(Split, usize)>,
 }
 xla_ffi_bundles::state_type!(ForwardState, "rmsnorm_ffi.RmsNormForwardState");
 
@@ -89,6 +91,8 @@ pub struct BackwardState {
     norm: Norm,
     /// Calls return the bias's gradient.
     has_bias: bool,
+    /// As the forward's.
+    split: Option<(Split, usize)>,
 }
 
 /// The weight rows a call with a scale offset applies, `offset + w` in the accumulation dtype
@@ -210,7 +214,15 @@ impl ForwardState {
         check_eps(attrs.eps)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
         let (norm, has_bias) = check_norm(attrs.norm, attrs.has_bias)?;
+        let row_len = check_row_len(attrs.row_len)?;
+        let split = check_split(attrs.split, attrs.full_len, row_len, norm, false)?;
+        if split.is_some() && target == RESIDUAL_TARGET {
+            return Err(FfiError::invalid_argument(
+                "attribute `split`: a split row's residual add is not fused (add first)",
+            ));
+        }
         Ok(ForwardState {
+            split: attrs.split.zip(split),
             norm,
             has_bias,
             offset,
@@ -219,7 +231,7 @@ impl ForwardState {
             kernel: Kernel::detect(),
             eps: attrs.eps,
             has_weight: attrs.has_weight,
-            row_len: check_row_len(attrs.row_len)?,
+            row_len,
             jobs: ParallelJobs::new(),
         })
     }
@@ -230,6 +242,7 @@ impl ForwardState {
             has_weight: self.has_weight,
             has_bias: self.has_bias,
             row_len: self.row_len,
+            split: self.split.map(|(s, _)| s),
         }
     }
 }
@@ -275,6 +288,12 @@ impl Instantiate for Backward {
         }
         let offset = check_scale_offset(attrs.scale_offset)?;
         let (norm, has_bias) = check_norm(attrs.norm, attrs.has_bias)?;
+        let split = check_split(attrs.split, attrs.full_len, row_len, norm, true)?;
+        if split.is_some() && norm.centred() && attrs.eps.is_some() {
+            return Err(FfiError::invalid_argument(
+                "attribute `eps`: a split LayerNorm backward is given the forward's mean and rstd",
+            ));
+        }
         let partial_len = if attrs.has_weight || has_bias {
             partial_rows(row_len) * row_len * gradient_rows(norm)
         } else {
@@ -294,6 +313,7 @@ impl Instantiate for Backward {
             has_dh: attrs.has_dh == Some(true),
             norm,
             has_bias,
+            split: attrs.split.zip(split),
         })
     }
 }
@@ -370,6 +390,9 @@ impl Execute for Forward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
+        if let Some((split @ (Split::Sums | Split::CentredSums), _)) = state.split {
+            return split::forward_sums(state, ctx, &args, &mut rets, split);
+        }
         let ops = forward_operands(&args, &mut rets, state.form())?;
         forward_dispatch(state, ctx, ops, None)
     }
@@ -415,6 +438,7 @@ fn forward_dispatch(
         rstd,
         pair,
         layout,
+        split,
     } = ops;
     let call = ForwardCall { state, ctx, layout };
     let out = ForwardOut { y, mean, rstd };
@@ -422,7 +446,8 @@ fn forward_dispatch(
         x,
         (w, b),
         out,
-        res
+        res,
+        split.as_ref()
     ))
 }
 
@@ -486,10 +511,12 @@ pub fn backward_chunk<T: Element, W: Element, A: Accum>(
     backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx, acc)
 }
 
-/// A forward's statistics results: LayerNorm's mean (`None` for the RMS norm) and rstd.
+/// A forward's statistics results: LayerNorm's mean (`None` for the RMS norm) and rstd; and a
+/// split row's sums, from which they come.
 struct Stats<'a, A> {
     mean: Option<&'a mut [A]>,
     rstd: &'a mut [A],
+    split: Option<SplitRows<'a, A>>,
 }
 
 struct ForwardCall<'s, 'c, 'a> {
@@ -516,6 +543,7 @@ impl ForwardCall<'_, '_, '_> {
         (w, b): (Option<AnyBuffer<'_>>, Option<AnyBuffer<'_>>),
         out: ForwardOut<'_>,
         res: Residual<'_, '_>,
+        split: Option<&SplitInputs<'_, Host>>,
     ) -> FfiResult<()> {
         let x = x.as_slice::<T>()?;
         let y = out.y.into_mut_slice::<T>()?;
@@ -527,20 +555,37 @@ impl ForwardCall<'_, '_, '_> {
         };
         let offset = self.state.offset;
         let pools = &self.state.offset_weights;
-        if let Some(mean) = mean {
+        let split = match (split, self.state.split) {
+            (Some(inputs), Some((_, full_len))) => Some(SplitRows {
+                mean: inputs
+                    .mean
+                    .as_ref()
+                    .map(|m| m.as_slice::<A>())
+                    .transpose()?,
+                rstd: None,
+                sums: inputs.sums.as_slice::<A>()?,
+                k: inputs.k,
+                full_len,
+                eps: <A as Accum>::from_f32(self.state.eps),
+            }),
+            _ => None,
+        };
+        if mean.is_some() || split.is_some() {
+            // LayerNorm's loops, and a split row's of either norm.
             let w = w
                 .map(|w| weight_rows::<W, A>(pools, w.as_slice::<W>()?, offset))
                 .transpose()?;
             let b = b
                 .map(|b| weight_rows::<W, A>(pools, b.as_slice::<W>()?, None))
                 .transpose()?;
-            let stats = Stats {
-                mean: Some(mean),
-                rstd,
-            };
+            let stats = Stats { mean, rstd, split };
             return self.run::<T, A, A>(x, (w.as_deref(), b.as_deref()), y, stats, res);
         }
-        let stats = Stats { mean: None, rstd };
+        let stats = Stats {
+            mean: None,
+            rstd,
+            split: None,
+        };
         match w {
             Some(w) if offset.is_some() || !same_type::<W, K>() => {
                 let w = w.as_slice::<W>()?;
@@ -560,7 +605,7 @@ impl ForwardCall<'_, '_, '_> {
         x: &[T],
         (w, b): (Option<&[W]>, Option<&[W]>),
         y: &mut [T],
-        Stats { mean, rstd }: Stats<'_, A>,
+        Stats { mean, rstd, split }: Stats<'_, A>,
         res: Option<(&[T], &mut [T])>,
     ) -> FfiResult<()> {
         let Layout { rows, n, .. } = self.layout;
@@ -599,6 +644,7 @@ impl ForwardCall<'_, '_, '_> {
                 None => None,
             };
             let first = plan.start(c);
+            let split = split.map(|s| s.from_row(first));
             let span = first * n..(first + rstd.len()) * n;
             // The fused residual add writes this chunk's h, which the norm then reads (from
             // cache) in place of x.
@@ -622,14 +668,13 @@ impl ForwardCall<'_, '_, '_> {
                     let row =
                         |i: usize| ((first + i) / per_group) * n..((first + i) / per_group + 1) * n;
                     let w_of = |i: usize| w.map(|w| &w[row(i)]);
-                    match mean {
-                        Some(mean) => {
-                            let b_of = |i: usize| b.map(|b| &b[row(i)]);
-                            layer::forward_rows::<T, W, A>(
-                                x_rows, n, w_of, b_of, eps, y, mean, rstd,
-                            )
-                        }
-                        None => forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd),
+                    if mean.is_some() || split.is_some() {
+                        let b_of = |i: usize| b.map(|b| &b[row(i)]);
+                        layer::forward_rows::<T, W, A>(
+                            x_rows, n, w_of, b_of, eps, split, y, mean, rstd,
+                        )
+                    } else {
+                        forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd)
                     }
                 },
             )
@@ -660,7 +705,11 @@ impl Execute for Backward {
             has_rstd: state.eps.is_none(),
             has_dh: state.has_dh,
             row_len: state.row_len,
+            split: state.split.map(|(s, _)| s),
         };
+        if form.split == Some(Split::Sums) {
+            return split::backward_sums(state, ctx, &args, &mut rets, form);
+        }
         let ops = backward_operands(&args, &mut rets, form)?;
         let call = BackwardCall {
             state,
@@ -975,6 +1024,32 @@ impl BackwardCall<'_, '_, '_> {
         let dx = ops.dx.into_mut_slice::<T>()?;
         let partials = A::partials(self.state);
         let offset = self.state.offset;
+        if let (Some(inputs), Some((_, full_len))) = (&ops.split, self.state.split) {
+            // A split row's apply pass, both norms through LayerNorm's loops (see
+            // `layer::SplitRows`): the weight in `A`, the gradients this device's rows' sums
+            // in `A` too (the caller all-reduces them before they are rounded).
+            let split = SplitRows {
+                mean: ops.mean.map(|m| m.as_slice::<A>()).transpose()?,
+                rstd: match rstd {
+                    Rstd::Given(r) => Some(r),
+                    Rstd::FromX(_) => None,
+                },
+                sums: inputs.sums.as_slice::<A>()?,
+                k: inputs.k,
+                full_len,
+                eps: <A as Accum>::from_f32(self.state.eps.unwrap_or(0.0)),
+            };
+            let pools = &self.state.offset_weights;
+            let w = ops
+                .w
+                .map(|w| weight_rows::<W, A>(pools, w.as_slice::<W>()?, offset))
+                .transpose()?;
+            let dw = ops.dw.map(|dw| dw.into_mut_slice::<A>()).transpose()?;
+            let mut slices = BackwardSlices::new(x, w.as_deref(), rstd, dy, dh, dx, dw);
+            slices.moments = Some(Moments::Split(split));
+            slices.db = ops.db.map(|db| db.into_mut_slice::<A>()).transpose()?;
+            return self.run::<T, A, A, A>(slices, partials);
+        }
         if self.state.norm.centred() {
             // LayerNorm: the weight always in `A` (its loops are built for `A` weights only),
             // the gradients in the weight's dtype (or the bias's, without a weight).
@@ -1189,5 +1264,6 @@ pub const RESIDUAL_BUNDLE: BundleDef = BundleDef::of::<ResidualForward>()
     .build();
 pub const BACKWARD_BUNDLE: BundleDef = BundleDef::of::<Backward>().instantiate().execute().build();
 
+mod split;
 #[cfg(test)]
 mod tests;

@@ -1029,3 +1029,329 @@ fn dh_is_added_to_dx_before_its_one_rounding() {
         dh_adds_once::<f16>(dims);
     }
 }
+
+// Split rows
+// ---------------------------------------------------------------------------------------------
+
+/// Columns `s * len..(s + 1) * len` of each row of `v` (rows of `n`).
+fn columns<T: Copy>(v: &[T], n: usize, s: usize, len: usize) -> Vec<T> {
+    v.chunks_exact(n)
+        .flat_map(|row| row[s * len..][..len].iter().copied())
+        .collect()
+}
+
+/// `parts[s]` (rows of `len`) put back side by side into rows of `len * parts.len()`.
+fn side_by_side(parts: &[Vec<f64>], len: usize) -> Vec<f64> {
+    let rows = parts[0].len() / len.max(1);
+    (0..rows)
+        .flat_map(|r| {
+            parts
+                .iter()
+                .flat_map(move |p| p[r * len..][..len].iter().copied())
+        })
+        .collect()
+}
+
+/// The element-wise sum of the slices' sums: what the all-reduce gives.
+fn all_reduced(parts: &[OwnedBuffer]) -> OwnedBuffer {
+    let mut total = parts[0].values::<f32>();
+    for p in &parts[1..] {
+        for (t, v) in total.iter_mut().zip(p.values::<f32>()) {
+            *t += v;
+        }
+    }
+    OwnedBuffer::from_values(&parts[0].dims, &total)
+}
+
+/// A row split over `shards` devices (sums passes, the all-reduce done here, apply passes)
+/// gives the whole row's y, statistics, dx and gradients: within a few float32 units (the
+/// slices' sums are rounded to float32 before they are added), for both norms, x float32 and
+/// bfloat16, with and without the RMS backward taking rstd from x.
+fn split_matches_whole<T: Element + NativeType>(layer: bool, from_x: bool) {
+    let (rows, shards, len) = (6usize, 3usize, 40usize);
+    let n = shards * len;
+    let dims = [rows as i64, n as i64];
+    let lead = vec![rows as i64];
+    let x: Vec<T> = values(rows * n, 11)
+        .into_iter()
+        .map(|v| T::from_f32(v + if layer { 30.0 } else { 0.0 }))
+        .collect();
+    let dy: Vec<T> = values(rows * n, 12).into_iter().map(T::from_f32).collect();
+    let w: Vec<f32> = values(n, 13).into_iter().map(|v| v + 1.5).collect();
+    let b: Vec<f32> = values(n, 14);
+    let norm = |a: &mut Vec<(&str, OwnedAttr)>| {
+        if layer {
+            a.push(("norm", OwnedAttr::scalar(1i64)));
+            a.push(("has_bias", OwnedAttr::pred(true)));
+        }
+    };
+    let base = |row_len: usize| {
+        let mut a = vec![
+            ("has_weight", OwnedAttr::pred(true)),
+            ("row_len", OwnedAttr::scalar(row_len as i64)),
+            ("scale_offset", OwnedAttr::scalar(0.25f32)),
+        ];
+        norm(&mut a);
+        a
+    };
+    let stats = if layer { 2 } else { 1 };
+    let what = format!("{} layer={layer} from_x={from_x}", T::DTYPE);
+
+    // The whole rows.
+    let mut fwd = base(n);
+    fwd.push(("eps", OwnedAttr::scalar(1e-5f32)));
+    let mut args = vec![
+        OwnedBuffer::from_values(&dims, &x),
+        OwnedBuffer::from_values(&[n as i64], &w),
+    ];
+    if layer {
+        args.push(OwnedBuffer::from_values(&[n as i64], &b));
+    }
+    let mut rets = vec![(T::DTYPE, dims.to_vec())];
+    rets.extend(std::iter::repeat_n((DataType::F32, lead.clone()), stats));
+    let whole = call_bundle(&FORWARD_BUNDLE, fwd, args, &rets);
+    let mut bwd = base(n);
+    if from_x {
+        bwd.push(("eps", OwnedAttr::scalar(1e-5f32)));
+    }
+    let mut args = vec![
+        OwnedBuffer::from_values(&dims, &x),
+        OwnedBuffer::from_values(&[n as i64], &w),
+    ];
+    if !from_x {
+        args.extend(whole[1..].iter().cloned());
+    }
+    args.push(OwnedBuffer::from_values(&dims, &dy));
+    let mut grads = vec![(T::DTYPE, dims.to_vec()), (DataType::F32, vec![n as i64])];
+    if layer {
+        grads.push((DataType::F32, vec![n as i64]));
+    }
+    let whole_grads = call_bundle(&BACKWARD_BUNDLE, bwd, args, &grads);
+
+    // The slices.
+    let split = |a: &mut Vec<(&str, OwnedAttr)>, pass: i64| {
+        a.push(("split", OwnedAttr::scalar(pass)));
+        a.push(("full_len", OwnedAttr::scalar(n as i64)));
+    };
+    let xs: Vec<Vec<T>> = (0..shards).map(|s| columns(&x, n, s, len)).collect();
+    let dys: Vec<Vec<T>> = (0..shards).map(|s| columns(&dy, n, s, len)).collect();
+    let ws: Vec<Vec<f32>> = (0..shards).map(|s| w[s * len..][..len].to_vec()).collect();
+    let bs: Vec<Vec<f32>> = (0..shards).map(|s| b[s * len..][..len].to_vec()).collect();
+    let sdims = [rows as i64, len as i64];
+    let sums_pass = |pass: i64, k: usize, extra: Option<&OwnedBuffer>| {
+        let parts: Vec<OwnedBuffer> = (0..shards)
+            .map(|s| {
+                let mut a = base(len);
+                a.retain(|(name, _)| {
+                    *name != "has_weight" && *name != "scale_offset" && *name != "has_bias"
+                });
+                a.push(("has_weight", OwnedAttr::pred(false)));
+                a.push(("eps", OwnedAttr::scalar(1e-5f32)));
+                split(&mut a, pass);
+                let mut args = vec![OwnedBuffer::from_values(&sdims, &xs[s])];
+                args.extend(extra.cloned());
+                call_bundle(
+                    &FORWARD_BUNDLE,
+                    a,
+                    args,
+                    &[(DataType::F32, vec![rows as i64, k as i64])],
+                )
+                .remove(0)
+            })
+            .collect();
+        all_reduced(&parts)
+    };
+    let first = sums_pass(1, 1, None);
+    let (mean, sums) = if layer {
+        let m: Vec<f32> = first.values::<f32>().iter().map(|s| s / n as f32).collect();
+        let m = OwnedBuffer::from_values(&lead, &m);
+        let centred = sums_pass(2, 2, Some(&m));
+        (Some(m), centred)
+    } else {
+        (None, first)
+    };
+    let mut ys = Vec::new();
+    for s in 0..shards {
+        let mut a = base(len);
+        a.push(("eps", OwnedAttr::scalar(1e-5f32)));
+        split(&mut a, 3);
+        let mut args = vec![
+            OwnedBuffer::from_values(&sdims, &xs[s]),
+            OwnedBuffer::from_values(&[len as i64], &ws[s]),
+        ];
+        if layer {
+            args.push(OwnedBuffer::from_values(&[len as i64], &bs[s]));
+        }
+        args.extend(mean.iter().cloned());
+        args.push(sums.clone());
+        let mut rets = vec![(T::DTYPE, sdims.to_vec())];
+        rets.extend(std::iter::repeat_n((DataType::F32, lead.clone()), stats));
+        let out = call_bundle(&FORWARD_BUNDLE, a, args, &rets);
+        for (k, r) in out[1..].iter().enumerate() {
+            close(
+                &as_f64::<f32>(r),
+                &as_f64::<f32>(&whole[1 + k]),
+                4e-7,
+                &format!("stat {k}, {what}"),
+            );
+        }
+        ys.push(as_f64::<T>(&out[0]));
+    }
+    let tol = if T::DTYPE == DataType::F32 {
+        2e-6
+    } else {
+        8e-3
+    };
+    close(
+        &side_by_side(&ys, len),
+        &as_f64::<T>(&whole[0]),
+        tol,
+        &format!("y, {what}"),
+    );
+
+    // The backward: sums given the whole forward's statistics, all-reduced, then apply.
+    let k = if layer { 3 } else { 1 + from_x as usize };
+    let slice_args = |s: usize| {
+        let mut args = vec![
+            OwnedBuffer::from_values(&sdims, &xs[s]),
+            OwnedBuffer::from_values(&[len as i64], &ws[s]),
+        ];
+        if !from_x {
+            args.extend(whole[1..].iter().cloned());
+        }
+        args.push(OwnedBuffer::from_values(&sdims, &dys[s]));
+        args
+    };
+    let bwd_attrs = |pass: i64| {
+        let mut a = base(len);
+        if from_x {
+            a.push(("eps", OwnedAttr::scalar(1e-5f32)));
+        }
+        split(&mut a, pass);
+        a
+    };
+    let parts: Vec<OwnedBuffer> = (0..shards)
+        .map(|s| {
+            call_bundle(
+                &BACKWARD_BUNDLE,
+                bwd_attrs(1),
+                slice_args(s),
+                &[(DataType::F32, vec![rows as i64, k as i64])],
+            )
+            .remove(0)
+        })
+        .collect();
+    let totals = all_reduced(&parts);
+    let (mut dxs, mut dws, mut dbs) = (Vec::new(), Vec::new(), Vec::new());
+    for s in 0..shards {
+        let mut args = slice_args(s);
+        args.push(totals.clone());
+        let mut rets = vec![
+            (T::DTYPE, sdims.to_vec()),
+            (DataType::F32, vec![len as i64]),
+        ];
+        if layer {
+            rets.push((DataType::F32, vec![len as i64]));
+        }
+        let out = call_bundle(&BACKWARD_BUNDLE, bwd_attrs(3), args, &rets);
+        dxs.push(as_f64::<T>(&out[0]));
+        dws.push(as_f64::<f32>(&out[1]));
+        if layer {
+            dbs.push(as_f64::<f32>(&out[2]));
+        }
+    }
+    let tol = if T::DTYPE == DataType::F32 {
+        1e-5
+    } else {
+        8e-3
+    };
+    close(
+        &side_by_side(&dxs, len),
+        &as_f64::<T>(&whole_grads[0]),
+        tol,
+        &format!("dx, {what}"),
+    );
+    close(
+        &dws.concat(),
+        &as_f64::<f32>(&whole_grads[1]),
+        1e-5,
+        &format!("dw, {what}"),
+    );
+    if layer {
+        close(
+            &dbs.concat(),
+            &as_f64::<f32>(&whole_grads[2]),
+            1e-5,
+            &format!("db, {what}"),
+        );
+    }
+}
+
+#[test]
+fn a_row_split_over_devices_gives_the_whole_rows_results() {
+    for layer in [false, true] {
+        split_matches_whole::<f32>(layer, false);
+        split_matches_whole::<bf16>(layer, false);
+    }
+    split_matches_whole::<f32>(false, true);
+    split_matches_whole::<bf16>(false, true);
+}
+
+#[test]
+fn split_attributes_are_checked() {
+    register();
+    let ctx = FakeContext::with_threads(1);
+    let attrs = |extra: Vec<(&'static str, OwnedAttr)>| {
+        let mut a = vec![
+            ("has_weight", OwnedAttr::pred(false)),
+            ("row_len", OwnedAttr::scalar(8i64)),
+            ("eps", OwnedAttr::scalar(1e-5f32)),
+        ];
+        a.extend(extra);
+        a
+    };
+    let refused = |def: &BundleDef, extra| instantiate(&ctx, def, attrs(extra)).unwrap_err();
+    let e = refused(&FORWARD_BUNDLE, vec![("split", OwnedAttr::scalar(1i64))]);
+    assert!(
+        e.contains("full_len") && e.contains("whole row's length"),
+        "{e}"
+    );
+    let e = refused(
+        &FORWARD_BUNDLE,
+        vec![("full_len", OwnedAttr::scalar(16i64))],
+    );
+    assert!(e.contains("full_len") && e.contains("needs `split`"), "{e}");
+    let e = refused(
+        &FORWARD_BUNDLE,
+        vec![
+            ("split", OwnedAttr::scalar(1i64)),
+            ("full_len", OwnedAttr::scalar(4i64)),
+        ],
+    );
+    assert!(e.contains("full_len") && e.contains("got 4"), "{e}");
+    let e = refused(
+        &FORWARD_BUNDLE,
+        vec![
+            ("split", OwnedAttr::scalar(2i64)),
+            ("full_len", OwnedAttr::scalar(16i64)),
+        ],
+    );
+    assert!(e.contains("CentredSums"), "{e}");
+    let e = refused(
+        &FORWARD_BUNDLE,
+        vec![
+            ("split", OwnedAttr::scalar(7i64)),
+            ("full_len", OwnedAttr::scalar(16i64)),
+        ],
+    );
+    assert!(e.contains("split") && e.contains("1 (Sums)"), "{e}");
+    let e = refused(
+        &BACKWARD_BUNDLE,
+        vec![
+            ("split", OwnedAttr::scalar(1i64)),
+            ("full_len", OwnedAttr::scalar(16i64)),
+            ("norm", OwnedAttr::scalar(1i64)),
+        ],
+    );
+    assert!(e.contains("given the forward's mean and rstd"), "{e}");
+}

@@ -47,7 +47,7 @@ use xla_ffi_bundles::ffi::{
 };
 use xla_ffi_bundles::state::LiveState;
 
-use super::contract::Norm;
+use super::contract::{Norm, Split};
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 
 impl From<GpuError> for FfiError {
@@ -131,7 +131,7 @@ impl Bundle for GpuForward {
 
 impl GpuForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
-        rms_only(attrs.norm, attrs.has_bias)?;
+        rms_only(attrs.norm, attrs.has_bias, attrs.split)?;
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
@@ -247,7 +247,7 @@ impl Bundle for GpuBackward {
 impl Instantiate for GpuBackward {
     type Attrs<'a> = BackwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: BackwardAttrs) -> FfiResult<GpuBackwardState> {
-        rms_only(attrs.norm, attrs.has_bias)?;
+        rms_only(attrs.norm, attrs.has_bias, attrs.split)?;
         let row_len = check_row_len(attrs.row_len)?;
         if let Some(eps) = attrs.eps {
             // The kernels read the forward's rstd; the Python lowering passes it on CUDA.
@@ -292,7 +292,14 @@ impl Initialize for GpuBackward {
 
 /// The CUDA kernels are the RMS norm's: a call site for LayerNorm is refused when it is
 /// instantiated, naming the attribute (the Python ops refuse it before lowering).
-fn rms_only(norm: Option<Norm>, has_bias: Option<bool>) -> FfiResult<()> {
+fn rms_only(norm: Option<Norm>, has_bias: Option<bool>, split: Option<Split>) -> FfiResult<()> {
+    if let Some(split) = split {
+        return Err(FfiError::Unimplemented(format!(
+            "attribute `split` ({}, {split:?}): the CUDA kernels take whole rows; a split row's \
+             passes run on the CPU",
+            split.value()
+        )));
+    }
     match check_norm(norm, has_bias)? {
         (Norm::Rms, _) => Ok(()),
         (other, _) => Err(FfiError::Unimplemented(format!(
@@ -313,6 +320,7 @@ fn backward_form(state: &GpuBackwardState) -> BackwardForm {
         has_rstd: true,
         has_dh: state.has_dh,
         row_len: state.row_len,
+        split: None,
     }
 }
 

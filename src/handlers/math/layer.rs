@@ -42,6 +42,8 @@ pub enum Moments<'a, A> {
     Given { mean: &'a [A], rstd: &'a [A] },
     /// Taken from the row itself with this eps: the forward's bits.
     FromX(A),
+    /// A split row's (`contract::Split::Apply`): the coefficients from the whole row's sums.
+    Split(SplitRows<'a, A>),
 }
 
 impl<'a, A: Accum> Moments<'a, A> {
@@ -53,8 +55,116 @@ impl<'a, A: Accum> Moments<'a, A> {
                 mean: &mean[first..],
                 rstd: &rstd[first..],
             },
+            Moments::Split(rows) => Moments::Split(rows.from_row(first)),
             from_x => from_x,
         }
+    }
+}
+
+/// The rows of a split call's apply pass (see `contract::Split`): each row's sums over the
+/// whole row (every device's slice, all-reduced), `k` per row, and the statistics given with
+/// them. Both norms: the RMS norm's rows are LayerNorm's with a mean and shift of zero (and
+/// no `mean(g)` term), so one apply pass serves both.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitRows<'a, A> {
+    /// LayerNorm's mean, one per row; `None` for the RMS norm.
+    pub mean: Option<&'a [A]>,
+    /// A backward's given rstd; `None` in the forward, and in an RMS backward that takes rstd
+    /// from its sums (its sum of squares after the dot product).
+    pub rstd: Option<&'a [A]>,
+    pub sums: &'a [A],
+    pub k: usize,
+    /// The whole row's length.
+    pub full_len: usize,
+    pub eps: A,
+}
+
+impl<'a, A: Accum> SplitRows<'a, A> {
+    /// The same, for rows `first..`.
+    #[inline(always)]
+    pub fn from_row(self, first: usize) -> SplitRows<'a, A> {
+        SplitRows {
+            mean: self.mean.map(|m| &m[first..]),
+            rstd: self.rstd.map(|r| &r[first..]),
+            sums: &self.sums[first * self.k..],
+            ..self
+        }
+    }
+
+    /// Row 0's statistics in the forward: LayerNorm's mean as given and the shift and rstd
+    /// from `sum(x - m)` and `sum((x - m)^2)`; the RMS norm's rstd from `sum(x^2)`.
+    #[inline(always)]
+    pub fn stats(&self) -> Stats<A> {
+        let s = &self.sums[..self.k];
+        match self.mean {
+            Some(mean) => {
+                let (shift, rstd) =
+                    shift_and_rstd(s[0].to_f64(), s[1].to_f64(), self.full_len, self.eps);
+                Stats {
+                    mean: mean[0],
+                    shift,
+                    rstd,
+                }
+            }
+            None => Stats {
+                mean: A::ZERO,
+                shift: A::ZERO,
+                rstd: super::rstd_of(s[0].to_f64(), self.full_len, self.eps),
+            },
+        }
+    }
+
+    /// Row 0's backward coefficients (see [`gradient_of`]); the RMS norm's from `sum(g * x)`
+    /// (`c2 = rstd * sum(g * x) / n`, no `mean(g)` term).
+    #[inline(always)]
+    pub fn gradient(&self) -> Gradient<A> {
+        let s = &self.sums[..self.k];
+        let r = match self.rstd {
+            Some(r) => r[0],
+            None => super::rstd_of(s[1].to_f64(), self.full_len, self.eps),
+        };
+        match self.mean {
+            Some(mean) => gradient_of(
+                [s[0].to_f64(), s[1].to_f64(), s[2].to_f64()],
+                self.full_len,
+                mean[0],
+                r,
+            ),
+            None => Gradient {
+                mean: A::ZERO,
+                shift: A::ZERO,
+                rstd: r,
+                c1: A::ZERO,
+                c2: super::coefficient(s[0].to_f64(), self.full_len, r),
+            },
+        }
+    }
+}
+
+/// What the second pass of a row's backward needs: `xhat = ((x - mean) - shift) * rstd` and
+/// `dx = rstd * (g - c1 - xhat * c2)` with `c1 = mean(g)`, `c2 = mean(g * xhat)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gradient<A> {
+    pub mean: A,
+    pub shift: A,
+    pub rstd: A,
+    pub c1: A,
+    pub c2: A,
+}
+
+/// A row's backward coefficients from its first pass's sums `[sum(x - m), sum(g),
+/// sum(g * (x - m))]` over `n` elements: `d = mean(x - m)`, `mean(g)`, and
+/// `mean(g * xhat) = r * (sum(g * (x - m)) - d * sum(g)) / n`, in float64.
+#[inline(always)]
+pub fn gradient_of<A: Accum>([s1, sg, sgc]: [f64; 3], n: usize, m: A, r: A) -> Gradient<A> {
+    let nf = n as f64;
+    let d = A::from_f64(s1 / nf);
+    Gradient {
+        mean: m,
+        shift: d,
+        rstd: r,
+        c1: A::from_f64(sg / nf),
+        c2: A::from_f64((sgc - d.to_f64() * sg) / nf * r.to_f64()),
     }
 }
 
@@ -133,13 +243,33 @@ fn tree_total<A: Accum>(acc: &[A; LANES]) -> f64 {
 }
 
 /// The shift and rstd of a row given its rounded mean `m`: from the sums of `x - m` and of its
-/// squares. A NaN variance stays NaN (a NaN or infinite element); a negative one (rounding, for
-/// a row of equal elements) is 0.
+/// squares.
 #[inline(always)]
 pub fn centred<T: Element, A: Accum>(x: &[T], m: A, eps: A) -> (A, A) {
-    let n = x.len() as f64;
+    let [s1, s2] = centred_sums::<T, A>(x, m);
+    shift_and_rstd(s1, s2, x.len(), eps)
+}
+
+/// `d = s1 / n` and `rstd = 1 / sqrt(s2 / n - d^2 + eps)` from a row's sums of `x - m` and of
+/// their squares over `n` elements. A NaN variance stays NaN (a NaN or infinite element); a
+/// negative one (rounding, for a row of equal elements) is 0.
+#[inline(always)]
+pub fn shift_and_rstd<A: Accum>(s1: f64, s2: f64, n: usize, eps: A) -> (A, A) {
+    let n = n as f64;
+    let d = s1 / n;
+    let var = s2 / n - d * d;
+    let var = if var < 0.0 { 0.0 } else { var };
+    (
+        A::from_f64(d),
+        A::from_f64(1.0 / (var + eps.to_f64()).sqrt()),
+    )
+}
+
+/// A row's `[sum(x - m), sum((x - m)^2)]`.
+#[inline(always)]
+pub fn centred_sums<T: Element, A: Accum>(x: &[T], m: A) -> [f64; 2] {
     let (xb, xt) = x.as_chunks::<LANES>();
-    let [s1, s2] = sums::<A, 2>(
+    sums::<A, 2>(
         x.len(),
         #[inline(always)]
         |c| {
@@ -156,19 +286,18 @@ pub fn centred<T: Element, A: Accum>(x: &[T], m: A, eps: A) -> (A, A) {
             let d = A::load(xt[j]) - m;
             [d, d * d]
         },
-    );
-    let d = s1 / n;
-    let var = s2 / n - d * d;
-    let var = if var < 0.0 { 0.0 } else { var };
-    (
-        A::from_f64(d),
-        A::from_f64(1.0 / (var + eps.to_f64()).sqrt()),
     )
 }
 
-/// The mean of a row, rounded once to `A` (its sum taken as [`sums`] takes sums).
+/// The mean of a row, rounded once to `A`.
 #[inline(always)]
 pub fn mean<T: Element, A: Accum>(x: &[T]) -> A {
+    A::from_f64(row_sum::<T, A>(x) / x.len() as f64)
+}
+
+/// The sum of a row (taken as [`sums`] takes sums).
+#[inline(always)]
+pub fn row_sum<T: Element, A: Accum>(x: &[T]) -> f64 {
     let (xb, xt) = x.as_chunks::<LANES>();
     let [sum] = sums::<A, 1>(
         x.len(),
@@ -183,7 +312,7 @@ pub fn mean<T: Element, A: Accum>(x: &[T]) -> A {
         #[inline(always)]
         |j| [A::load(xt[j])],
     );
-    A::from_f64(sum / x.len() as f64)
+    sum
 }
 
 /// A row's statistics; NaN for an empty row, as `jnp.mean` of nothing.
@@ -218,6 +347,19 @@ pub fn forward_row<T: Element, W: Element, A: Accum>(
     y: &mut [T],
 ) -> Stats<A> {
     let s = stats::<T, A>(x, eps);
+    forward_apply::<T, W, A>(x, w, b, s, y);
+    s
+}
+
+/// `y` of one row given its statistics (see [`forward_row`]).
+#[inline(always)]
+pub fn forward_apply<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    b: Option<&[W]>,
+    s: Stats<A>,
+    y: &mut [T],
+) {
     let (m, d, r) = (s.mean, s.shift, s.rstd);
     let xhat = |v: T| (A::load(v) - m - d) * r;
     // One loop per case, each without branches, so that they vectorize.
@@ -243,11 +385,11 @@ pub fn forward_row<T: Element, W: Element, A: Accum>(
             }
         }
     }
-    s
 }
 
 /// The forward over consecutive rows of `n` (`rstd.len()` of them); `w_of(i)` and `b_of(i)` are
-/// row `i`'s weight and bias.
+/// row `i`'s weight and bias. With `split`, the rows are slices of longer ones, their
+/// statistics from the whole rows' sums (both norms: see [`SplitRows`]); else LayerNorm's own.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
@@ -256,25 +398,36 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     w_of: impl Fn(usize) -> Option<&'w [W]>,
     b_of: impl Fn(usize) -> Option<&'w [W]>,
     eps: A,
+    split: Option<SplitRows<'_, A>>,
     y: &mut [T],
-    mean: &mut [A],
+    mut mean: Option<&mut [A]>,
     rstd: &mut [A],
 ) {
     if n == 0 {
-        mean.fill(A::NAN);
+        mean.iter_mut().for_each(|m| m.fill(A::NAN));
         rstd.fill(A::NAN);
         return;
     }
     let rows = y.chunks_exact_mut(n).zip(x.chunks_exact(n));
-    for (i, ((y, x), (m, r))) in rows.zip(mean.iter_mut().zip(rstd.iter_mut())).enumerate() {
-        let s = forward_row::<T, W, A>(x, w_of(i), b_of(i), eps, y);
-        (*m, *r) = (s.mean, s.rstd);
+    for (i, ((y, x), r)) in rows.zip(rstd.iter_mut()).enumerate() {
+        let s = match split {
+            Some(split) => {
+                let s = split.from_row(i).stats();
+                forward_apply::<T, W, A>(x, w_of(i), b_of(i), s, y);
+                s
+            }
+            None => forward_row::<T, W, A>(x, w_of(i), b_of(i), eps, y),
+        };
+        if let Some(mean) = mean.as_deref_mut() {
+            mean[i] = s.mean;
+        }
+        *r = s.rstd;
     }
 }
 
 /// One row of the backward (row 0 of `moments`): writes `dx` (plus `dh` before it is rounded,
 /// the fused residual's backward) and, with `acc`, adds this row's `dy * xhat` to its first `n`
-/// sums (the weight's gradient) and `dy` to the next `n` (the bias's).
+/// sums (the weight's gradient) and, where it holds `2n`, `dy` to the next `n` (the bias's).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_row<T: Element, W: Element, A: Accum>(
@@ -296,14 +449,29 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
             let s = stats::<T, A>(x, eps);
             (s.mean, s.rstd)
         }
+        Moments::Split(rows) => {
+            return backward_apply::<T, W, A>(x, w, rows.gradient(), dy, dh, dx, acc);
+        }
     };
-    // The first pass: sum(x - m) (the shift, with the forward's bits), sum(g), sum(g * (x - m)).
+    let g = gradient_of(gradient_sums::<T, W, A>(x, w, m, dy), n, m, r);
+    backward_apply::<T, W, A>(x, w, g, dy, dh, dx, acc);
+}
+
+/// A row's first backward pass: `[sum(x - m), sum(g), sum(g * (x - m))]` with `g = dy * w`
+/// (or `dy`); the first is the shift, with the forward's bits.
+#[inline(always)]
+pub fn gradient_sums<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    m: A,
+    dy: &[T],
+) -> [f64; 3] {
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
     let wb = w.map(|w| w.as_chunks::<LANES>());
     let terms = |c: A, g: A| [c, g, g * c];
-    let [s1, sg, sgc] = sums::<A, 3>(
-        n,
+    sums::<A, 3>(
+        x.len(),
         #[inline(always)]
         |k| {
             let mut t = [[A::ZERO; LANES]; 3];
@@ -327,12 +495,28 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
                 wb.map_or(g, |(_, wt)| g * A::load(wt[j])),
             )
         },
-    );
-    let nf = n as f64;
-    let d = A::from_f64(s1 / nf);
-    // mean(g) and mean(g * xhat) = r * (sum(g * (x - m)) - d * sum(g)) / n, in float64.
-    let c1 = A::from_f64(sg / nf);
-    let c2 = A::from_f64((sgc - d.to_f64() * sg) / nf * r.to_f64());
+    )
+}
+
+/// A row's second backward pass given its coefficients (see [`backward_row`]).
+#[inline(always)]
+pub fn backward_apply<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    g: Gradient<A>,
+    dy: &[T],
+    dh: Option<&[T]>,
+    dx: &mut [T],
+    acc: Option<&mut [A::Wide]>,
+) {
+    let n = x.len();
+    let Gradient {
+        mean: m,
+        shift: d,
+        rstd: r,
+        c1,
+        c2,
+    } = g;
     let xhat = |v: T| (A::load(v) - m - d) * r;
     let dx_of = |v: T, g: A| r * (g - c1 - xhat(v) * c2);
     // One loop per case, each without branches, so that they vectorize.
@@ -358,12 +542,17 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
             }
         }
     }
-    if let Some(acc) = acc {
-        let (dw, db) = acc.split_at_mut(n);
+    let Some(acc) = acc else { return };
+    let (dw, db) = acc.split_at_mut(n);
+    if db.len() >= n {
         for (((aw, ab), &v), &dv) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(dy) {
             let gy = A::load(dv);
             *aw = aw.add((gy * xhat(v)).to_f64());
             *ab = ab.add(gy.to_f64());
+        }
+    } else {
+        for ((aw, &v), &dv) in dw.iter_mut().zip(x).zip(dy) {
+            *aw = aw.add((A::load(dv) * xhat(v)).to_f64());
         }
     }
 }
