@@ -117,9 +117,9 @@ def test_a_lost_async_completion_is_an_error_not_a_hang(fixture_library, capsys)
 
 def test_memory_leaked_per_executable_fails_the_rss_comparison(capsys):
     # Each compile keeps 4 MB that no registry sees (as a bundle leaking a buffer per
-    # instantiate would); only the RSS comparison with the control can report it. The leak
-    # is in `fn`'s trace, so the control is given (the default one traces `fn` for its
-    # output shapes, which would leak as much).
+    # instantiate would); only the comparisons with the control (RSS, the heap) can report it.
+    # The leak is in `fn`'s trace, so the control is given (the default one traces `fn` for
+    # its output shapes, which would leak as much).
     kept = []
     # What earlier tests left (their executables, their garbage) freed first: freed during the
     # churn, it hid part of the leak (87.9 MB of RSS growth against the heap's 100.1, after the
@@ -141,11 +141,15 @@ def test_memory_leaked_per_executable_fails_the_rss_comparison(capsys):
     out = capsys.readouterr().out
     assert not report.ok and report.exit_status == 1, out
     assert report.mismatches == report.errors == report.states_leaked == 0
-    # The 25 cycles from the first clear (cycle 5) to the end kept 100 MB (measured: 102.4-102.6
-    # against the control's 1.2-1.5); the bound leaves room for what the rest of the process
-    # frees meanwhile.
-    assert report.churn_rss_growth_mb >= 90 and report.control_rss_growth_mb < 10, out
-    assert "RSS grew by" in out and out.strip().endswith("FAILED"), out
+    # The 25 cycles from the first clear (cycle 5) to the end kept 100 MB: the heap in use says
+    # so exactly (100.1 MB, the control's 0.1). RSS says so alone (102.4-102.6 against the
+    # control's 1.2-1.5) only in a fresh process: after the ~1200 tests before this one in one
+    # process (peak RSS 3.7 GB), the churn reuses pages the rest of the process frees, and the
+    # same leak measured 87.9 and 62.3 MB of RSS growth in two full-suite runs. Both checks must
+    # still report it: RSS beyond the control's by more than its slack, and the heap.
+    assert report.churn_heap_growth_mb >= 90 and report.control_heap_growth_mb < 10, out
+    assert report.churn_rss_growth_mb > report.control_rss_growth_mb + report.rss_slack_mb, out
+    assert "RSS grew by" in out and "heap in use grew by" in out and out.strip().endswith("FAILED"), out
 
 
 def test_the_workspace_bundle_from_the_command_line_on_two_devices(fixture_library):
