@@ -173,6 +173,12 @@ fn contract(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         norms.set_item(name.to_ascii_lowercase(), d)?;
     }
     out.set_item("norms", norms)?;
+    // The `split` attribute's values (a split row's passes), by name.
+    let splits = PyDict::new(py);
+    for (value, name) in op_contract::Split::VALUES {
+        splits.set_item(*name, *value as i64)?;
+    }
+    out.set_item("splits", splits)?;
     Ok(out)
 }
 

@@ -1,14 +1,15 @@
-"""The RMS norm of rows split over devices: x's last (normalized) axis sharded over mesh axes.
+"""The RMS norm of rows split over devices, as jnp: the CUDA path (whose kernels take whole
+rows) for x's last (normalized) axis sharded over mesh axes. On the CPU, both norms run the
+targets' split passes instead (`_split`).
 
 `_partitioning` runs these per shard when x's last axis is sharded over mesh axes ``H``
-(tensor-parallel activations) and divides evenly over them. No device then holds a whole row,
+(tensor-parallel activations) and divides evenly over them, on a platform other than the CPU. No device then holds a whole row,
 and the Rust kernels take whole rows: running them would mean gathering the activations
 (rows x n elements to every device of ``H``). Instead each device reduces its own slice to one
 number per row, the devices of ``H`` add those numbers up (one all-reduce of rows floats, never
 the activations), and everything else is elementwise on the device's own slice of x and of the
-weight. That per-shard work is plain jnp on purpose: it is one or two elementwise loops around
-a row sum, which XLA fuses with its neighbours, and an FFI call would cost the same passes
-while blocking that fusion (and the sum must stop half-way for the all-reduce anyway).
+weight. (It was the CPU's path too, until the targets gained their split passes: in a trainer
+on a 2x2 mesh with a model axis, 5 of 9 norms then never reached the kernels.)
 
 The arithmetic follows the kernels' (src/handlers/math.rs), operation for operation where jnp
 allows: sums in the accumulation dtype (float32, float64 for float64 x), ``eps`` as the

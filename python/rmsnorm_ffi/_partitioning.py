@@ -8,12 +8,14 @@ the primitives carry), its partitioning callback runs the call per shard:
 
 - rows (every axis but the last) keep whatever sharding they have: no gather of x, y, dy or dx;
 - the normalized (last) axis, when sharded over mesh axes H that divide it evenly, stays split
-  (tensor-parallel activations): each device runs `_hidden`'s jnp math on its slice of every
-  row, with one all-reduce over H of a float or two per row (the sums of squares forward; the
-  dot products backward, with the sums of squares beside them when rstd is taken from x), never
-  the activations. The weight is resharded to follow x's last axis (a replicated weight is
-  sliced, not moved) and its gradient comes back split the same way. A last axis that does not
-  divide evenly over H is gathered instead, and so is then the weight;
+  (tensor-parallel activations): each device runs the targets' split passes on its slice of
+  every row (`_split`: a sums pass, an all-reduce over H of a few floats per row, never the
+  activations, and an apply pass; the RMS norm's one all-reduce forward and backward,
+  LayerNorm's two forward and one backward). On CUDA, whose kernels take whole rows, the RMS
+  norm's split rows run as `_hidden`'s jnp. The weight (and bias) is resharded to follow x's
+  last axis (a replicated weight is sliced, not moved) and its gradient comes back split the
+  same way. A last axis that does not divide evenly over H is gathered instead, and so is
+  then the weight;
 - otherwise each device holds whole rows and runs the Rust call on them, the weight whole;
 - the weight gradient is summed over the mesh axes that shard the rows (not over axes that
   only replicate them, and not over the axes of a batched weight's own batch dimensions); when
@@ -38,7 +40,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rmsnorm_ffi import _hidden, _native
+from rmsnorm_ffi import _hidden, _native, _split
 from rmsnorm_ffi._math import acc_dtype, stats_names
 
 FORWARD_TARGET = "rmsnorm_fwd"
@@ -195,17 +197,15 @@ def _named(mesh, *entries) -> NamedSharding:
     return NamedSharding(mesh, P(*entries))
 
 
-def _hidden_axes(mesh, x_shape, form: Form = Form()) -> tuple:
+def _hidden_axes(mesh, x_shape) -> tuple:
     """The mesh axes that shard x's last (normalized) axis, when the rows are split over them
-    (`_hidden`'s per-shard math); () when each device holds whole rows. A last axis that does
-    not divide evenly over its devices gives () too: it is gathered (XLA would pad it, and
-    padding inside a row would have to be masked out of every sum; not done). LayerNorm has no
-    split-row path yet: its rows are gathered."""
-    if form.norm != "rms":
-        return ()
+    (`_split`'s passes); () when each device holds whole rows. A last axis that does not divide
+    evenly over its devices gives () too: it is gathered (XLA would pad it, and padding inside
+    a row would have to be masked out of every sum; not done), and so does an empty one."""
     axes = _axes(_spec(x_shape.sharding.spec, len(x_shape.shape))[-1])
     shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if shards == 1 or x_shape.shape[-1] % shards:
+    n = x_shape.shape[-1]
+    if shards == 1 or n == 0 or n % shards:
         return ()
     return axes
 
@@ -248,7 +248,7 @@ def _forward_shardings(mesh, arg_shapes, form: Form):
     values and of the weight and bias is sharded over the hidden axes (see `_hidden_axes`) or
     whole."""
     rows = _row_spec(arg_shapes[0])
-    hidden = _entry(_hidden_axes(mesh, arg_shapes[0], form))
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
     x_sharding = _named(mesh, *rows, hidden)
     layout = form.forward_layout()
     params = _param_shardings(mesh, arg_shapes, layout, rows, hidden)
@@ -262,7 +262,7 @@ def _backward_shardings(mesh, arg_shapes, form: Form):
     sharded like its parameter's batch dimensions and last axis (split like x's), or, with
     whole rows, reduce-scattered where the parameter is sharded along the axes summed over."""
     rows = _row_spec(arg_shapes[0])
-    hidden = _entry(_hidden_axes(mesh, arg_shapes[0], form))
+    hidden = _entry(_hidden_axes(mesh, arg_shapes[0]))
     x_sharding, rows_sharding = _named(mesh, *rows, hidden), _named(mesh, *rows)
     layout = form.backward_layout()
     params = _param_shardings(mesh, arg_shapes, layout, rows, hidden)
@@ -347,15 +347,34 @@ def _masked(mask, x, stats: tuple, dy, dh=None):
 # The four partitioned calls
 
 
+def _on_split_rows(form: Form, kernels, jnp_rows, operands: dict):
+    """`kernels(**operands)` (the split passes, CPU only), or for the RMS norm on another
+    platform `jnp_rows(**operands)` (`_hidden`): chosen when lowering for the platform."""
+    if form.norm != "rms":
+        return kernels(**operands)
+    names = tuple(operands)
+
+    def call(fn):
+        return lambda *values: fn(**dict(zip(names, values)))
+
+    return jax.lax.platform_dependent(*operands.values(), cpu=call(kernels), default=call(jnp_rows))
+
+
 def _per_shard_forward(eps, form: Form, offset: float = 0.0, hidden: tuple = (), n: int = 0):
     """The forward one device runs on its shard: the Rust call on whole rows, or with `hidden`
-    (the mesh axes that split the rows, `n` their global length) `_hidden.forward`."""
+    (the mesh axes that split the rows, `n` their global length) the split passes."""
     layout = form.forward_layout()
+
+    def kernels(x, w=None, b=None, res=None):
+        return _split.forward(x, w, b, eps, _offset_attrs(offset), form.attrs(), form.norm, hidden, n, residual=res)
+
+    def jnp_rows(x, w=None, res=None):
+        return _hidden.forward(x, w, eps, offset, hidden, n, residual=res)
 
     def run(*operands):
         o = dict(zip(layout, operands))
         if hidden:
-            return _hidden.forward(o["x"], o.get("w"), eps, offset, hidden, n, residual=o.get("res"))
+            return _on_split_rows(form, kernels, jnp_rows, o)
         return _forward_call(
             o["x"], o.get("w"), eps, typed=False, residual=o.get("res"), offset=offset, bias=o.get("b"),
             norm=form.norm,
@@ -367,19 +386,19 @@ def _per_shard_forward(eps, form: Form, offset: float = 0.0, hidden: tuple = (),
 def _forward_partition(eps, offset, form, mesh, arg_shapes, result_shape):
     args, results = _forward_shardings(mesh, arg_shapes, form)
     x = arg_shapes[0]
-    per_shard = _per_shard_forward(eps, form, offset, _hidden_axes(mesh, x, form), x.shape[-1])
+    per_shard = _per_shard_forward(eps, form, offset, _hidden_axes(mesh, x), x.shape[-1])
     return mesh, per_shard, results, args
 
 
 def _per_shard_backward(mesh, arg_shapes, eps, form: Form, offset: float = 0.0):
     """The backward one device runs on its shard: the call on its rows (padding masked), then
     the weight and bias gradients summed (or reduce-scattered) over the mesh axes that shard
-    the rows. When the rows themselves are split (`_hidden_axes`), `_hidden.backward`
-    instead, its weight gradient summed over the row axes and left split like x's last axis."""
+    the rows. When the rows themselves are split (`_hidden_axes`), the split passes instead,
+    the gradients summed over the row axes and left split like x's last axis."""
     layout = form.backward_layout()
     rows = _row_spec(arg_shapes[0])
     x_global = arg_shapes[0].shape
-    hidden = _hidden_axes(mesh, arg_shapes[0], form)
+    hidden = _hidden_axes(mesh, arg_shapes[0])
     reductions = {}
     for role, shape in zip(layout, arg_shapes):
         if role in ("w", "b"):
@@ -389,7 +408,7 @@ def _per_shard_backward(mesh, arg_shapes, eps, form: Form, offset: float = 0.0):
     def reduce(role, grad):
         summed, scattered = reductions[role]
         if hidden:
-            return grad  # `_hidden.backward` summed it over the row axes
+            return grad  # the split passes summed it over the row axes
         if scattered:
             rest = tuple(a for a in summed if a not in scattered)
             if rest:
@@ -405,10 +424,24 @@ def _per_shard_backward(mesh, arg_shapes, eps, form: Form, offset: float = 0.0):
         # Padding rows have masked statistics, which x (zero there) and eps would not give.
         eps_ = eps if mask is None else None
         if hidden:
-            dx, dw = _hidden.backward(
-                x, o.get("w"), stats[-1], dy, eps_, offset, hidden, x_global[-1], reductions["w"][0] if "w" in o else (), dh
-            )
-            db = None
+            row_axes = {role: summed for role, (summed, _) in reductions.items()}
+
+            def kernels(x, dy, w=None, b=None, dh=None, **stats):
+                dx, dw, db = _split.backward(
+                    x, w, b, tuple(stats[s] for s in form.stats), dy, eps_, _offset_attrs(offset), form.attrs(),
+                    form.norm, hidden, x_global[-1], row_axes, dh,
+                )
+                return tuple(g for g in (dx, dw, db) if g is not None)
+
+            def jnp_rows(x, dy, w=None, dh=None, rstd=None):
+                dx, dw = _hidden.backward(x, w, rstd, dy, eps_, offset, hidden, x_global[-1], row_axes.get("w", ()), dh)
+                return (dx,) if dw is None else (dx, dw)
+
+            present = dict(x=x, dy=dy, w=o.get("w"), b=o.get("b"), dh=dh, **dict(zip(form.stats, stats)))
+            out = _on_split_rows(form, kernels, jnp_rows, {k: v for k, v in present.items() if v is not None})
+            dx, rest = out[0], list(out[1:])
+            dw = rest.pop(0) if "w" in o else None
+            db = rest.pop(0) if "b" in o else None
         else:
             dx, dw, db = _backward_call(
                 x, o.get("w"), stats, dy, eps_, typed=False, offset=offset, dh=dh, norm=form.norm, bias=o.get("b")
@@ -460,7 +493,7 @@ def explicit_forward(operands, eps, out_avals, form: Form, offset: float = 0.0):
     shapes = [jax.typeof(o) for o in operands]
     mesh = shapes[0].sharding.mesh
     shardings = _forward_shardings(mesh, shapes, form)
-    hidden = _hidden_axes(mesh, shapes[0], form)
+    hidden = _hidden_axes(mesh, shapes[0])
     per_shard = _per_shard_forward(eps, form, offset, hidden, shapes[0].shape[-1])
     return _typed_like(_shard_mapped(per_shard, operands, shardings), out_avals)
 

@@ -334,7 +334,8 @@ MESHES = PRELUDE + textwrap.dedent(
                 b = jax.device_put(bn, NamedSharding(mesh, P()))
                 c = (np.arange(128) / 128 + 1).astype(np.float32)
                 fwd = jax.jit(lambda x, w, b: layer_norm(x, w, b))
-                grad = jax.jit(jax.grad(lambda x, w, b: jnp.sum(layer_norm(x, w, b) * c + layer_norm(x, w, b) ** 2), (0, 1, 2)))
+                loss = lambda y: jnp.sum(y * c + y ** 2)  # noqa: E731
+                grad = jax.jit(jax.grad(lambda x, w, b: loss(layer_norm(x, w, b)), (0, 1, 2)))
                 y = fwd(x, w, b)
                 g = grad(x, w, b)
             # The gradients of the same op on one device (jnp's would be off by 1e-3 at rows of
@@ -373,8 +374,19 @@ def test_sharded_rows_run_per_shard(meshes, tag, case):
 
 
 @pytest.mark.parametrize("tag", ["explicit", "auto"])
-def test_sharded_hidden_axis_is_gathered_for_now(meshes, tag):
-    # LayerNorm has no split-row path yet: its rows are gathered (values still right).
+def test_sharded_hidden_axis_runs_the_split_passes(meshes, tag):
+    # x (16, 128) over P("data", "model"): 8 rows of 64 per device, no whole row anywhere.
     r = meshes[f"{tag} hidden"]
+    # Rows of mean 1e4: the split passes keep the shifted two-pass variance across devices.
     assert r["y_err"] < 1e-5 and r["g_err"] < 1e-4, r
-    assert any(kind == "all-gather" for kind, _ in r["fwd"]), r
+    # Forward: sum(x) (8 floats), then sum(x - m) and sum((x - m)^2) (8 x 2): never x.
+    assert sorted(r["fwd"]) == [["all-reduce", 8], ["all-reduce", 16]], r
+    # The gradient: the forward's two, the backward's sums (8 x 3), dweight and dbias summed
+    # over the rows' axis (64 each, or one all-reduce of both, listed by its first operand);
+    # the replicated weight and bias were sliced, so their gradients' slices are gathered back
+    # (128 each), and nothing else is.
+    reduces = sorted(size for kind, size in r["grad"] if kind == "all-reduce")
+    assert reduces in ([8, 16, 24, 64, 64], [8, 16, 24, 64]), r
+    gathers = [size for kind, size in r["grad"] if kind == "all-gather"]
+    assert gathers in ([128, 128], [256]), r
+    assert {kind for kind, _ in r["grad"]} == {"all-reduce", "all-gather"}, r
