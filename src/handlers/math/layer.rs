@@ -191,29 +191,22 @@ fn sums<A: Accum, const K: usize>(
             tails[k][j] = t[k];
         }
     }
-    let block = |first: usize, last: usize| {
-        let mut acc = [[A::ZERO; LANES]; K];
-        for c in first..last {
-            let t = chunk(c);
-            for k in 0..K {
-                for (a, v) in acc[k].iter_mut().zip(t[k]) {
-                    *a = *a + v;
-                }
-            }
-        }
-        acc
-    };
     if chunks <= BLOCK_CHUNKS {
-        let acc = block(0, chunks);
+        let acc = block::<A, K>(&chunk, 0, chunks);
         let mut out = [0.0; K];
         for k in 0..K {
-            out[k] = tree_total(&acc[k]) + tree_total(&tails[k]);
+            // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
+            out[k] = if n % LANES == 0 {
+                tree_total(&acc[k])
+            } else {
+                tree_total(&acc[k]) + tree_total(&tails[k])
+            };
         }
         return out;
     }
     let mut out = [RowSum::new(); K];
     for first in (0..chunks).step_by(BLOCK_CHUNKS) {
-        let acc = block(first, (first + BLOCK_CHUNKS).min(chunks));
+        let acc = block::<A, K>(&chunk, first, (first + BLOCK_CHUNKS).min(chunks));
         for k in 0..K {
             out[k].add(&acc[k]);
         }
@@ -222,6 +215,45 @@ fn sums<A: Accum, const K: usize>(
         out[k].add(&tails[k]);
     }
     RowSum::totals(out)
+}
+
+/// The `K` lane-wise sums of chunks `first..last` in `A`, one sum after the other: a loop per
+/// sum that computes each chunk's terms and keeps its own (the others, pure arithmetic, are
+/// dropped by the compiler), so each loop is a plain lane-wise sum that vectorizes across the
+/// lanes. All `K` in one loop, LLVM paired the `K` sums of each lane instead (`perf`: a
+/// scalar `vsubss`, `vmulss` and `vinsertps` per element of LayerNorm's centred sums in
+/// bfloat16); the chunks are a block of at most [`SUM_BLOCK`] elements, read again from L1.
+/// The same additions in the same order either way: the same bits. A function, not a closure
+/// bound by `let` in [`sums`]: such a closure stayed out of line, compiled for the baseline
+/// instruction set outside the SIMD context (`#[inline(always)]` cannot be put on one).
+#[inline(always)]
+fn block<A: Accum, const K: usize>(
+    chunk: &impl Fn(usize) -> [[A; LANES]; K],
+    first: usize,
+    last: usize,
+) -> [[A; LANES]; K] {
+    let mut acc = [[A::ZERO; LANES]; K];
+    for (k, acc) in acc.iter_mut().enumerate() {
+        for c in first..last {
+            let t = chunk(c)[k];
+            for (a, v) in acc.iter_mut().zip(t) {
+                *a = *a + v;
+            }
+        }
+    }
+    acc
+}
+
+/// A chunk in `A`, in a loop of its own: the loads and conversions vectorize there, where
+/// converting lane by lane inside a loop that also subtracts and multiplies stayed scalar for
+/// half-precision x (`perf`: a `movzwl` and a `vmulss` per element).
+#[inline(always)]
+fn widen<T: Element, A: Accum>(chunk: &[T; LANES]) -> [A; LANES] {
+    let mut v = [A::ZERO; LANES];
+    for (o, &x) in v.iter_mut().zip(chunk) {
+        *o = A::load(x);
+    }
+    v
 }
 
 /// The float64 sum of [`LANES`] accumulators, pairwise in a fixed order (lane `l` with lane
@@ -273,13 +305,13 @@ pub fn centred_sums<T: Element, A: Accum>(x: &[T], m: A) -> [f64; 2] {
         x.len(),
         #[inline(always)]
         |c| {
-            let mut t = [[A::ZERO; LANES]; 2];
-            for l in 0..LANES {
-                let d = A::load(xb[c][l]) - m;
-                t[0][l] = d;
-                t[1][l] = d * d;
+            let mut d = widen::<T, A>(&xb[c]);
+            let mut sq = [A::ZERO; LANES];
+            for (s, v) in sq.iter_mut().zip(d.iter_mut()) {
+                *v = *v - m;
+                *s = *v * *v;
             }
-            t
+            [d, sq]
         },
         #[inline(always)]
         |j| {
@@ -302,13 +334,7 @@ pub fn row_sum<T: Element, A: Accum>(x: &[T]) -> f64 {
     let [sum] = sums::<A, 1>(
         x.len(),
         #[inline(always)]
-        |c| {
-            let mut t = [A::ZERO; LANES];
-            for (o, &v) in t.iter_mut().zip(&xb[c]) {
-                *o = A::load(v);
-            }
-            [t]
-        },
+        |c| [widen::<T, A>(&xb[c])],
         #[inline(always)]
         |j| [A::load(xt[j])],
     );
@@ -474,18 +500,19 @@ pub fn gradient_sums<T: Element, W: Element, A: Accum>(
         x.len(),
         #[inline(always)]
         |k| {
-            let mut t = [[A::ZERO; LANES]; 3];
-            for l in 0..LANES {
-                let c = A::load(xb[k][l]) - m;
-                let g = match wb {
-                    Some((wb, _)) => A::load(db[k][l]) * A::load(wb[k][l]),
-                    None => A::load(db[k][l]),
-                };
-                t[0][l] = c;
-                t[1][l] = g;
-                t[2][l] = g * c;
+            let mut c = widen::<T, A>(&xb[k]);
+            let mut g = widen::<T, A>(&db[k]);
+            if let Some((wb, _)) = wb {
+                for (g, w) in g.iter_mut().zip(widen::<W, A>(&wb[k])) {
+                    *g = *g * w;
+                }
             }
-            t
+            let mut gc = [A::ZERO; LANES];
+            for ((o, c), &g) in gc.iter_mut().zip(c.iter_mut()).zip(&g) {
+                *c = *c - m;
+                *o = g * *c;
+            }
+            [c, g, gc]
         },
         #[inline(always)]
         |j| {
