@@ -396,12 +396,16 @@ fn expect_sums<P: Platform>(
     expect(operand, dtype, dims, pair.accumulation(), &want)
 }
 
-/// The checked operands of a split row's sums pass (forward or backward): the whole call's
-/// arguments (x, and the rest for a backward, checked by `backward_operands`), LayerNorm's
-/// mean in a `CentredSums` pass, and the one result, the sums.
+/// The checked operands of a split row's sums pass: a forward's x (and LayerNorm's mean in a
+/// `CentredSums` pass), or a backward's arguments without dh (x, [weight], [statistics], dy);
+/// and the one result, the sums.
 pub struct SumsOperands<'a, 'r, P: Platform> {
     pub x: AnyBuffer<'a, P>,
+    pub w: Option<AnyBuffer<'a, P>>,
     pub mean: Option<AnyBuffer<'a, P>>,
+    pub rstd: Option<AnyBuffer<'a, P>>,
+    /// A backward's (`None` in a forward's pass).
+    pub dy: Option<AnyBuffer<'a, P>>,
     pub sums: AnyResult<'r, P>,
     pub k: usize,
     pub pair: DtypePair,
@@ -433,7 +437,10 @@ pub fn sums_operands<'a, 'r, P: Platform>(
     expect_sums(sums.operand(), sums.dtype(), sums.dims(), &x, pair, k)?;
     Ok(SumsOperands {
         x,
+        w: None,
         mean,
+        rstd: None,
+        dy: None,
         sums,
         k,
         pair,
@@ -660,26 +667,12 @@ fn statistics_and_dy<'a, P: Platform>(
     Ok((mean, rstd, dy))
 }
 
-/// The checked operands of a split backward's sums pass: the whole call's arguments without dh
-/// (x, [weight], [statistics], dy), and the sums.
-pub struct BackwardSumsOperands<'a, 'r, P: Platform> {
-    pub x: AnyBuffer<'a, P>,
-    pub w: Option<AnyBuffer<'a, P>>,
-    pub mean: Option<AnyBuffer<'a, P>>,
-    pub rstd: Option<AnyBuffer<'a, P>>,
-    pub dy: AnyBuffer<'a, P>,
-    pub sums: AnyResult<'r, P>,
-    pub k: usize,
-    pub pair: DtypePair,
-    pub layout: Layout,
-}
-
 /// Decodes and checks a split backward's sums pass (see `contract::Split`).
 pub fn backward_sums_operands<'a, 'r, P: Platform>(
     args: &ArgsView<'a, P>,
     rets: &mut ResultList<'r, P>,
     form: BackwardForm,
-) -> FfiResult<BackwardSumsOperands<'a, 'r, P>> {
+) -> FfiResult<SumsOperands<'a, 'r, P>> {
     let has_w = form.has_weight as usize;
     let has_r = if form.has_rstd {
         form.norm.statistics().len()
@@ -694,12 +687,12 @@ pub fn backward_sums_operands<'a, 'r, P: Platform>(
     let k = Split::Sums.sums(form.norm, true, !form.has_rstd);
     let sums = result(rets, 0)?;
     expect_sums(sums.operand(), sums.dtype(), sums.dims(), &x, pair, k)?;
-    Ok(BackwardSumsOperands {
+    Ok(SumsOperands {
         x,
         w,
         mean,
         rstd,
-        dy,
+        dy: Some(dy),
         sums,
         k,
         pair,

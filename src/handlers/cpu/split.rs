@@ -7,47 +7,56 @@
 use super::{weight_rows, workers, BackwardState, CpuAccum, ForwardState};
 use crate::handlers::contract::{DtypePair, Float, Split};
 use crate::handlers::math::{layer, sum_squares, Accum, Element};
-use crate::handlers::operands::{backward_sums_operands, sums_operands, BackwardForm, Layout};
+use crate::handlers::operands::{
+    backward_sums_operands, sums_operands, BackwardForm, Layout, SumsOperands,
+};
 use half::{bf16, f16};
 
 use super::plan::{Plan, FORWARD_CHUNK_ELEMENTS};
 use super::simd::Kernel;
 use xla_ffi_bundles::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
-use xla_ffi_bundles::ffi::{ArgsView, Context, FfiResult, ResultList};
+use xla_ffi_bundles::ffi::{ArgsView, Context, FfiError, FfiResult, Host, ResultList};
 
-/// Runs `row(i, sums_i)` for every row `i` of `layout`, writing its `k` sums, in chunks of
-/// rows on XLA's pool (inside `kernel.run`, where the row's loops vectorize). `bytes`: what the
-/// call reads.
-#[allow(clippy::too_many_arguments)]
-fn each_row<A: Element + Send>(
-    jobs: &ParallelJobs,
-    ctx: &Context<'_>,
+/// Where a sums pass runs: the call site's pool of parallel jobs, XLA's context, and the
+/// instruction set.
+struct RowJobs<'s, 'c, 'a> {
+    jobs: &'s ParallelJobs,
+    ctx: &'c Context<'a>,
     kernel: Kernel,
-    layout: Layout,
-    k: usize,
-    bytes: usize,
-    sums: &mut [A],
-    row: impl Fn(usize, &mut [A]) + Sync,
-) -> FfiResult<()> {
-    if layout.n == 0 {
-        sums.fill(A::default());
-        return Ok(());
+}
+
+impl RowJobs<'_, '_, '_> {
+    /// Runs `row(i, sums_i)` for every row `i` of `layout`, writing its `k` sums, in chunks of
+    /// rows on XLA's pool (inside `kernel.run`, where the row's loops vectorize). `bytes`: what
+    /// the call reads.
+    fn each_row<A: Element + Send>(
+        &self,
+        (layout, k, bytes): (Layout, usize, usize),
+        sums: &mut [A],
+        row: impl Fn(usize, &mut [A]) + Sync,
+    ) -> FfiResult<()> {
+        if layout.n == 0 {
+            sums.fill(A::default());
+            return Ok(());
+        }
+        let plan = Plan::split(layout.rows, layout.n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
+        let out = DisjointChunks::new(sums, &plan.scaled(k)[..plan.count() + 1])?;
+        let kernel = self.kernel;
+        let body = |c: usize| {
+            let Some(out) = out.take(c) else { return };
+            let first = plan.start(c);
+            kernel.run(
+                #[inline(always)]
+                || {
+                    for (i, o) in out.chunks_exact_mut(k).enumerate() {
+                        row(first + i, o);
+                    }
+                },
+            )
+        };
+        self.jobs
+            .run(self.ctx, plan.count(), workers(self.ctx, bytes), &body)
     }
-    let plan = Plan::split(layout.rows, layout.n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
-    let out = DisjointChunks::new(sums, &plan.scaled(k)[..plan.count() + 1])?;
-    let body = |c: usize| {
-        let Some(out) = out.take(c) else { return };
-        let first = plan.start(c);
-        kernel.run(
-            #[inline(always)]
-            || {
-                for (i, o) in out.chunks_exact_mut(k).enumerate() {
-                    row(first + i, o);
-                }
-            },
-        )
-    };
-    jobs.run(ctx, plan.count(), workers(ctx, bytes), &body)
 }
 
 /// The x dtype's types: `T` (x) and `A` (its accumulation dtype).
@@ -81,19 +90,19 @@ pub(super) fn forward_sums(
     let ops = sums_operands(args, rets, state.norm, split, state.row_len)?;
     let pair: DtypePair = ops.pair;
     let (n, k) = (ops.layout.n, ops.k);
+    let jobs = RowJobs {
+        jobs: &state.jobs,
+        ctx,
+        kernel: state.kernel,
+    };
     with_x_types!(pair, |T, A| {
         let x = ops.x.as_slice::<T>()?;
         let mean = ops.mean.as_ref().map(|m| m.as_slice::<A>()).transpose()?;
         let sums = ops.sums.into_mut_slice::<A>()?;
         let centred = state.norm.centred();
         let bytes = std::mem::size_of_val(x);
-        each_row(
-            &state.jobs,
-            ctx,
-            state.kernel,
-            ops.layout,
-            k,
-            bytes,
+        jobs.each_row(
+            (ops.layout, k, bytes),
             sums,
             #[inline(always)]
             |i, o: &mut [A]| {
@@ -127,18 +136,27 @@ pub(super) fn backward_sums(
     };
     let ops = backward_sums_operands(args, rets, form)?;
     let pair: DtypePair = ops.pair;
+    let jobs = RowJobs {
+        jobs: &state.jobs,
+        ctx,
+        kernel: state.kernel,
+    };
     with_pair_types!(pair, |T, W, _K, A| backward_sums_typed::<T, W, A>(
-        state, ctx, ops
+        state, &jobs, ops
     ))
 }
 
 fn backward_sums_typed<T: Element, W: Element, A: CpuAccum>(
     state: &BackwardState,
-    ctx: &Context<'_>,
-    ops: crate::handlers::operands::BackwardSumsOperands<'_, '_, xla_ffi_bundles::ffi::Host>,
+    jobs: &RowJobs<'_, '_, '_>,
+    ops: SumsOperands<'_, '_, Host>,
 ) -> FfiResult<()> {
     let x = ops.x.as_slice::<T>()?;
-    let dy = ops.dy.as_slice::<T>()?;
+    let dy = ops
+        .dy
+        .as_ref()
+        .ok_or_else(|| FfiError::internal("a backward sums pass without dy"))?
+        .as_slice::<T>()?;
     let mean = ops.mean.as_ref().map(|m| m.as_slice::<A>()).transpose()?;
     let w = ops
         .w
@@ -150,13 +168,8 @@ fn backward_sums_typed<T: Element, W: Element, A: CpuAccum>(
     let (n, k) = (ops.layout.n, ops.k);
     let per_group = ops.layout.rows_per_group().max(1);
     let bytes = 2 * std::mem::size_of_val(x);
-    each_row(
-        &state.jobs,
-        ctx,
-        state.kernel,
-        ops.layout,
-        k,
-        bytes,
+    jobs.each_row(
+        (ops.layout, k, bytes),
         sums,
         #[inline(always)]
         |i, o: &mut [A]| {

@@ -196,7 +196,7 @@ fn sums<A: Accum, const K: usize>(
         let mut out = [0.0; K];
         for k in 0..K {
             // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
-            out[k] = if n % LANES == 0 {
+            out[k] = if n.is_multiple_of(LANES) {
                 tree_total(&acc[k])
             } else {
                 tree_total(&acc[k]) + tree_total(&tails[k])
