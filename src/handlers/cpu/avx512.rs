@@ -61,7 +61,7 @@
 use core::any::TypeId;
 use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_EQ_OQ, _CMP_UNORD_Q};
 
-use half::bf16;
+use half::{bf16, f16};
 use pulp::x86::V4;
 
 use crate::handlers::math::{
@@ -226,8 +226,45 @@ impl Lane for bf16 {
     }
 }
 
+/// float16 through the F16C conversions of AVX-512F (`vcvtph2ps`, `vcvtps2ph`), one
+/// instruction per 16 elements each way, where the portable loops' integer conversion took
+/// about ten. Both are exact or correctly rounded to nearest even, as `math`'s scalar
+/// conversions (the rounding is named in the instruction, not read from MXCSR); a NaN keeps its
+/// top payload bits and comes out quiet. `conversions_match_the_scalar_ones` checks every
+/// float16 and a sample of float32 against them.
+impl Lane for f16 {
+    #[inline(always)]
+    fn of(t: Typed<'_>) -> Option<&[f16]> {
+        match t {
+            Typed::F16(s) => Some(s),
+            _ => None,
+        }
+    }
+    #[inline(always)]
+    fn load(s: V4, v: &[f16; LANES]) -> __m512 {
+        s.avx512f._mm512_cvtph_ps(pulp::cast(*v))
+    }
+    #[inline(always)]
+    fn store(s: V4, v: __m512) -> [f16; LANES] {
+        pulp::cast(s.avx512f._mm512_cvtps_ph::<TO_NEAREST_EVEN>(v))
+    }
+    /// One load: the low halves of its 32-bit lanes, then the high halves, each narrowed to
+    /// 16 packed elements and widened.
+    #[inline(always)]
+    fn load_even_odd(s: V4, v: &[f16; 2 * LANES]) -> (__m512, __m512) {
+        let f = s.avx512f;
+        let bits: __m512i = pulp::cast(*v);
+        let even = f._mm512_cvtepi32_epi16(bits);
+        let odd = f._mm512_cvtepi32_epi16(f._mm512_srli_epi32::<16>(bits));
+        (f._mm512_cvtph_ps(even), f._mm512_cvtph_ps(odd))
+    }
+}
+
+/// `vcvtps2ph`'s rounding immediate: to nearest even, exceptions suppressed.
+const TO_NEAREST_EVEN: i32 = 0x08;
+
 /// The forward pass over `rstd.len()` consecutive rows of `n`, as `math::forward_rows` computes
-/// it, when x is float32 or bfloat16, the weight float32 or bfloat16 and the accumulator
+/// it, when x is float32, bfloat16 or float16, the weight one of those and the accumulator
 /// float32. Returns false, having written nothing, for any other types.
 #[inline(always)]
 pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
@@ -245,6 +282,7 @@ pub fn forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     match (T::typed(x), T::typed_mut(y)) {
         (Typed::F32(x), TypedMut::F32(y)) => with_weight(s, x, n, w_of, eps, y, rstd),
         (Typed::Bf16(x), TypedMut::Bf16(y)) => with_weight(s, x, n, w_of, eps, y, rstd),
+        (Typed::F16(x), TypedMut::F16(y)) => with_weight(s, x, n, w_of, eps, y, rstd),
         _ => false,
     }
 }
@@ -268,6 +306,10 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
         }
         Typed::Bf16(_) => {
             let w = |i| w_of(i).and_then(|w| bf16::of(W::typed(w)));
+            rows(s, x, n, w, eps, y, rstd);
+        }
+        Typed::F16(_) => {
+            let w = |i| w_of(i).and_then(|w| f16::of(W::typed(w)));
             rows(s, x, n, w, eps, y, rstd);
         }
         Typed::Other => return false,
@@ -909,8 +951,8 @@ const BACKWARD_GROUP_ROWS: usize = 64;
 /// The backward pass with a weight and its gradient over consecutive rows of `n` (as many as
 /// `dx` holds), their rstd given or taken from the first pass's sums of squares,
 /// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining the
-/// rows' `dy * xhat` a pair at a time, in row order), when x is float32 or bfloat16, the
-/// weight float32 or bfloat16 and the accumulator float32. Returns false, having written
+/// rows' `dy * xhat` a pair at a time, in row order), when x is float32, bfloat16 or float16,
+/// the weight one of those and the accumulator float32. Returns false, having written
 /// nothing, for any other types. Rows go in groups: the first pass's sums of two rows at a time,
 /// then the second pass in column tiles over the group's rows, so a tile of the weight and of
 /// the float64 gradient row stays in L1 while every row of the group adds to it.
@@ -939,6 +981,9 @@ pub fn backward_rows<T: Element, W: Element, A: Accum>(
         (Typed::Bf16(x), Typed::Bf16(dy), TypedMut::Bf16(dx)) => {
             backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
         }
+        (Typed::F16(x), Typed::F16(dy), TypedMut::F16(dx)) => {
+            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+        }
         _ => false,
     }
 }
@@ -958,12 +1003,15 @@ fn backward_with_weight<X: Lane, W: Element, A: Accum>(
     match W::typed(w) {
         Typed::F32(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
         Typed::Bf16(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
+        Typed::F16(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
         Typed::Other => return false,
     }
     true
 }
 
-#[inline(always)]
+/// Inlined in optimized builds only, as the forward's [`rows`] (a debug build's frame of every
+/// (x, weight) pair inlined into one closure overflowed the test threads' stacks).
+#[cfg_attr(not(debug_assertions), inline(always))]
 #[allow(clippy::too_many_arguments)]
 fn backward_groups<X: Lane, W: Lane, A: Accum>(
     s: V4,
@@ -1246,4 +1294,55 @@ fn widen_add(s: V4, acc: [f64; LANES], p: __m512) -> [f64; LANES] {
         *a = f._mm512_add_pd(*a, f._mm512_cvtps_pd(p));
     }
     pulp::cast(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The F16C conversions give `math`'s scalar conversions' bits: every float16 widened (in
+    /// 16 packed lanes and in even and odd lanes), and float32 values every 4099th bit pattern
+    /// plus float16's rounding boundaries, ties and subnormals, narrowed.
+    #[test]
+    fn conversions_match_the_scalar_ones() {
+        let Some(s) = V4::try_new() else {
+            return;
+        };
+        s.vectorize(|| {
+            let halves: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+            for chunk in halves.chunks_exact(2 * LANES) {
+                let chunk: &[f16; 2 * LANES] = chunk.try_into().unwrap();
+                let (lo, _) = chunk.as_chunks::<LANES>();
+                let packed: [f32; LANES] = pulp::cast(f16::load(s, &lo[0]));
+                for (h, got) in lo[0].iter().zip(packed) {
+                    assert_eq!(got.to_bits(), h.to_f32().to_bits(), "{:#06x}", h.to_bits());
+                }
+                let (even, odd) = f16::load_even_odd(s, chunk);
+                let (even, odd): ([f32; LANES], [f32; LANES]) = (pulp::cast(even), pulp::cast(odd));
+                for i in 0..LANES {
+                    assert_eq!(even[i].to_bits(), chunk[2 * i].to_f32().to_bits());
+                    assert_eq!(odd[i].to_bits(), chunk[2 * i + 1].to_f32().to_bits());
+                }
+            }
+            let mut floats: Vec<f32> = (0..=u32::MAX).step_by(4099).map(f32::from_bits).collect();
+            for h in (0..=u16::MAX).step_by(7).map(f16::from_bits) {
+                // A float16, the points halfway to its neighbours, and one float32 ulp either
+                // side of those: the ties and the values just off them.
+                let bits = h.to_f32().to_bits();
+                for d in [0u32, 1, 0xfff, 0x1000, 0x1001, 0x1fff] {
+                    floats.push(f32::from_bits(bits.wrapping_add(d)));
+                    floats.push(f32::from_bits(bits.wrapping_sub(d)));
+                }
+            }
+            floats.extend([65504.0, 65519.99, 65520.0, 5.96e-8, 2.98e-8, 2.99e-8, 1e-45]);
+            for chunk in floats.chunks_exact(LANES) {
+                let chunk: &[f32; LANES] = chunk.try_into().unwrap();
+                let got = f16::store(s, pulp::cast(*chunk));
+                for (v, h) in chunk.iter().zip(got) {
+                    let want = f16::from_f32(*v);
+                    assert_eq!(h.to_bits(), want.to_bits(), "{v:e} ({:#010x})", v.to_bits());
+                }
+            }
+        });
+    }
 }

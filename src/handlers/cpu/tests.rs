@@ -92,6 +92,16 @@ fn every_instruction_set_matches_the_scalar_path_bit_for_bit() {
                 "{kernel:?} f16 n={n}"
             );
             assert_eq!(
+                kernel_results::<f16, f16, f32>(*kernel, n),
+                kernel_results::<f16, f16, f32>(Kernel::Scalar, n),
+                "{kernel:?} f16 f16 n={n}"
+            );
+            assert_eq!(
+                kernel_results::<bf16, f16, f32>(*kernel, n),
+                kernel_results::<bf16, f16, f32>(Kernel::Scalar, n),
+                "{kernel:?} bf16 f16 n={n}"
+            );
+            assert_eq!(
                 kernel_results::<f64, f64, f64>(*kernel, n),
                 kernel_results::<f64, f64, f64>(Kernel::Scalar, n),
                 "{kernel:?} f64 n={n}"
@@ -692,6 +702,8 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         check::<bf16, bf16, f32>(n, rows, groups);
         check::<bf16, f32, f32>(n, rows, groups);
         check::<f16, f32, f32>(n, rows, groups);
+        check::<f16, f16, f32>(n, rows, groups);
+        check::<bf16, f16, f32>(n, rows, groups);
         check::<f64, f32, f64>(n, rows, groups);
     }
 }
@@ -808,6 +820,8 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
         check::<bf16, bf16>(n, rows);
         check::<bf16, f32>(n, rows);
         check::<f16, f32>(n, rows);
+        check::<f16, f16>(n, rows);
+        check::<bf16, f16>(n, rows);
     }
 }
 
