@@ -1306,6 +1306,9 @@ mod tests {
     #[test]
     fn conversions_match_the_scalar_ones() {
         let Some(s) = V4::try_new() else {
+            // Nothing to compare on a CPU without AVX-512 (the loops above never run there);
+            // said on stderr so that a run on such a machine does not read as a pass.
+            eprintln!("conversions_match_the_scalar_ones: no AVX-512 on this CPU, not checked");
             return;
         };
         s.vectorize(|| {
