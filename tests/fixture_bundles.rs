@@ -144,7 +144,7 @@ fn the_reverse_bundle_refuses_bad_attributes() {
 }
 
 #[test]
-fn the_fixture_library_exports_its_six_bundles() {
+fn the_fixture_library_exports_its_seven_bundles() {
     // The table `export_library!` builds, read as register_library reads a loaded library's.
     let library =
         xla_ffi_bundles::ffi::library::read_own(testing::library_table(), "fixture").unwrap();
@@ -162,10 +162,16 @@ fn the_fixture_library_exports_its_six_bundles() {
             ("rmsnorm_ffi_testing_reverse", "cpu", 2, Some(1)),
             ("rmsnorm_ffi_testing_lists", "cpu", 1, None),
             ("rmsnorm_ffi_testing_async", "cpu", 2, Some(2)),
+            ("rmsnorm_ffi_testing_stage_state", "cpu", 1, None),
         ]
     );
     assert_eq!(
         library.state_types[0].name,
         StagesState::registration().name()
     );
+    // The stage-state probe's user-data type: in the table's list, though no bundle has it as
+    // its state, so that register_library gives it to XLA.
+    let types: Vec<&str> = library.state_types.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(types.len(), 4);
+    assert_eq!(types[3], "rmsnorm_ffi.testing.ProbeUserData");
 }

@@ -86,9 +86,15 @@ def _register(description: dict, owner: str, platforms: list[str]) -> tuple[str,
 
     where = "rmsnorm_ffi.register()" if owner == _PRODUCT else f"register_library({owner!r})"
     targets: list[str] = []
+    # Types no bundle has as its state: the prepare- and initialize-stage states and user data
+    # that bundles declare. The table does not say whose they are, so every platform the
+    # library has bundles on gets them (XLA keeps the id a first registration assigned).
+    named = {b["state_type"] for b in description["bundles"]}
+    unnamed = [name for name in description["state_types"] if name not in named]
     for platform in platforms:
         bundles = [b for b in description["bundles"] if b["platform"] == platform]
-        types = list(dict.fromkeys(b["state_type"] for b in bundles if b["state_type"] is not None))
+        types = [b["state_type"] for b in bundles if b["state_type"] is not None]
+        types = list(dict.fromkeys(types + (unnamed if bundles else [])))
         steps = [("type", name, description["state_types"][name]) for name in types]
         steps += [("target", b["target"], b["stages"]) for b in bundles]
         for kind, name, registration in steps:

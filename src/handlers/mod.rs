@@ -52,7 +52,7 @@ pub fn bundles(platform: &str) -> Result<Vec<&'static BundleDef>, HandlerError> 
 pub fn state_types(platform: &str) -> Result<Vec<&'static StateTypeRegistration>, HandlerError> {
     let mut types: Vec<&'static StateTypeRegistration> = Vec::new();
     for def in bundles(platform)? {
-        if let Some(registration) = (def.state)() {
+        for registration in def.types() {
             if !types.iter().any(|t| t.name() == registration.name()) {
                 types.push(registration);
             }

@@ -6,6 +6,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from rmsnorm_ffi import _native, rms_norm, rms_norm_reference
 
@@ -45,5 +46,30 @@ def test_the_installed_runtime_runs_our_api_0_3_handlers():
     runtime = tuple(np.asarray(jax.jit(testing.context_probe)()).tolist()[4:])
     assert runtime == header_api_version(), (runtime, jax.__version__)
     assert runtime[0] == 0 and runtime[1] >= 3
+    x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(3, 8)
+    np.testing.assert_allclose(np.asarray(jax.jit(rms_norm)(x)), np.asarray(rms_norm_reference(x)), rtol=1e-6)
+
+
+def test_user_data_on_cpu_is_xla_s_not_found_for_a_registered_type():
+    # The library declares its user-data type (`.user_data::<T>()`), so register_library gave
+    # it to XLA with an id (else the context's "not registered" error would come first); JAX
+    # attaches no user data a handler can name, so XLA's own lookup answers "not found", as an
+    # error of the call, and the process lives on.
+    with pytest.raises(Exception) as failure:
+        np.asarray(testing.ask_context("user_data"))
+    message = str(failure.value)
+    assert "rmsnorm_ffi_testing_stage_state: [execute] no user data of type `rmsnorm_ffi.testing.ProbeUserData`" in message
+    assert re.search(r"User data with type id [1-9]\d* not found in execution context", message), message
+    assert "not registered" not in message
+
+
+def test_a_prepare_stage_state_is_refused_on_cpu_not_a_crash():
+    # XLA:CPU keeps no prepare- or initialize-stage state; its State_Get for them dereferences
+    # a null pointer (SIGSEGV, docs/xla-runtime.md). The context refuses first.
+    with pytest.raises(Exception) as failure:
+        np.asarray(testing.ask_context("prepare_state"))
+    message = str(failure.value)
+    assert "cannot get the prepare-stage state: XLA:CPU runs no prepare or initialize stage" in message, message
+    # The process is fine: the extension's own op still runs.
     x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(3, 8)
     np.testing.assert_allclose(np.asarray(jax.jit(rms_norm)(x)), np.asarray(rms_norm_reference(x)), rtol=1e-6)

@@ -23,6 +23,7 @@ STAGES_TARGET = "rmsnorm_ffi_testing_stages"
 CONTEXT_TARGET = "rmsnorm_ffi_testing_context"
 ATTRS_TARGET = "rmsnorm_ffi_testing_attrs"
 LISTS_TARGET = "rmsnorm_ffi_testing_lists"
+STAGE_STATE_TARGET = "rmsnorm_ffi_testing_stage_state"
 STAGES = ("instantiate", "prepare", "initialize", "execute")
 
 
@@ -41,6 +42,14 @@ def context_probe():
     register()
     call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((6,), jnp.int32))
     return call()
+
+
+def ask_context(ask: str):
+    """Asks XLA:CPU's context for ``ask`` ("user_data" or "prepare_state"), which it does not
+    have: raises the call's error (int32[1] of 1 if it ever had it)."""
+    register()
+    call = jax.ffi.ffi_call(STAGE_STATE_TARGET, jax.ShapeDtypeStruct((1,), jnp.int32))
+    return jax.jit(lambda: call(ask=ask))()
 
 
 def describe_attributes(size: int = 4096, **attributes) -> str:

@@ -17,3 +17,13 @@ fn device_bundles_get_addresses_and_no_host_slices() {
     cases.compile_fail("tests/ui/cuda_bundle_with_host_slice_argument.rs");
     cases.compile_fail("tests/ui/cuda_bundle_calls_as_slice.rs");
 }
+
+/// XLA:CPU keeps no prepare- or initialize-stage state (its calls for one dereference a null
+/// pointer), so declaring one on a host bundle is a compile error where the declaration is a
+/// `const`, as every bundle's is; the same declaration on a CUDA bundle compiles.
+#[test]
+fn stage_states_are_declared_for_device_bundles_only() {
+    let cases = trybuild::TestCases::new();
+    cases.pass("tests/ui/stage_state_declared_for_cuda.rs");
+    cases.compile_fail("tests/ui/stage_state_declared_for_host.rs");
+}

@@ -140,6 +140,7 @@ pub(crate) const fn info<B: Bundle>(stage: Stage) -> HandlerInfo {
         stage,
         traits: B::TRAITS.0,
         creates_state: None,
+        keeps_stage_state: <B::Platform as Platform>::KEEPS_STAGE_STATE,
     }
 }
 
@@ -215,8 +216,32 @@ pub struct BundleDef {
     pub traits: Traits,
     /// The state type, which must be registered with XLA before the bundle.
     pub state: fn() -> Option<&'static StateTypeRegistration>,
+    /// The other types its stages store or look up, registered with XLA with the state type.
+    pub stage_types: StageTypes,
     /// The stage entries XLA calls; a stage the bundle does not have is `None`.
     pub handlers: sys::XLA_FFI_Handler_Bundle,
+}
+
+/// The types a bundle's stages keep besides the instantiate state, declared on its
+/// [`BundleBuilder`] so that they are registered with XLA (which assigns their ids) with the
+/// bundle: the prepare- and initialize-stage states ([`Context::set_stage_state`]) and the user
+/// data it reads ([`Context::user_data`]).
+#[derive(Clone, Copy, Default)]
+pub struct StageTypes {
+    /// The prepare stage's state type.
+    pub prepare: Option<fn() -> &'static StateTypeRegistration>,
+    /// The initialize stage's state type.
+    pub initialize: Option<fn() -> &'static StateTypeRegistration>,
+    /// The user-data type.
+    pub user_data: Option<fn() -> &'static StateTypeRegistration>,
+}
+
+impl StageTypes {
+    const NONE: StageTypes = StageTypes {
+        prepare: None,
+        initialize: None,
+        user_data: None,
+    };
 }
 
 impl BundleDef {
@@ -229,8 +254,26 @@ impl BundleDef {
                 initialize: None,
                 execute: None,
             },
+            stage_types: StageTypes::NONE,
             _bundle: PhantomData,
         }
+    }
+
+    /// Every type XLA must know before this bundle is registered, each once: the state type,
+    /// then the stage states and the user data.
+    pub fn types(&self) -> Vec<&'static StateTypeRegistration> {
+        let t = &self.stage_types;
+        let mut types: Vec<&'static StateTypeRegistration> = Vec::new();
+        let declared = [t.prepare, t.initialize, t.user_data];
+        for registration in (self.state)()
+            .into_iter()
+            .chain(declared.into_iter().flatten().map(|f| f()))
+        {
+            if !types.iter().any(|r| std::ptr::eq(*r, registration)) {
+                types.push(registration);
+            }
+        }
+        types
     }
 
     /// The stages this bundle defines, with their handlers.
@@ -259,6 +302,7 @@ impl BundleDef {
 /// Collects the stages of `B`; each method exists only if `B` implements that stage.
 pub struct BundleBuilder<B: Bundle> {
     pub(crate) handlers: sys::XLA_FFI_Handler_Bundle,
+    stage_types: StageTypes,
     _bundle: PhantomData<B>,
 }
 
@@ -279,12 +323,35 @@ impl<B: Prepare> BundleBuilder<B> {
         self.handlers.prepare = Some(prepare_entry::<B>);
         self
     }
+
+    /// Declares `T` as the state the prepare stage stores ([`Context::set_stage_state`]), so
+    /// that it is registered with XLA with the bundle. Only on platforms whose XLA keeps such
+    /// states (not XLA:CPU): a compile error for a `const` declaration elsewhere.
+    pub const fn prepare_state<T: StateType>(mut self) -> Self {
+        assert!(
+            <B::Platform as Platform>::KEEPS_STAGE_STATE,
+            "XLA:CPU runs no prepare stage and keeps no prepare-stage state"
+        );
+        self.stage_types.prepare = Some(T::registration);
+        self
+    }
 }
 
 impl<B: Initialize> BundleBuilder<B> {
     /// Adds the initialize stage.
     pub const fn initialize(mut self) -> Self {
         self.handlers.initialize = Some(initialize_entry::<B>);
+        self
+    }
+
+    /// Declares `T` as the state the initialize stage stores, as
+    /// [`BundleBuilder::prepare_state`] does for the prepare stage.
+    pub const fn initialize_state<T: StateType>(mut self) -> Self {
+        assert!(
+            <B::Platform as Platform>::KEEPS_STAGE_STATE,
+            "XLA:CPU runs no initialize stage and keeps no initialize-stage state"
+        );
+        self.stage_types.initialize = Some(T::registration);
         self
     }
 }
@@ -298,6 +365,13 @@ impl<B: Execute> BundleBuilder<B> {
 }
 
 impl<B: Bundle> BundleBuilder<B> {
+    /// Declares `T` as the type of the user data the stages read ([`Context::user_data`]),
+    /// so that it is registered with XLA with the bundle.
+    pub const fn user_data<T: StateType>(mut self) -> Self {
+        self.stage_types.user_data = Some(T::registration);
+        self
+    }
+
     /// Finishes the declaration. A stateful bundle must have an instantiate stage (it is the
     /// only stage that makes the state) and every bundle an execute stage (XLA requires one);
     /// both are checked at compile time when the declaration is a `const`.
@@ -311,6 +385,7 @@ impl<B: Bundle> BundleBuilder<B> {
             platform: <B::Platform as Platform>::NAME,
             traits: B::TRAITS,
             state: B::State::state_registration,
+            stage_types: self.stage_types,
             handlers: self.handlers,
         }
     }

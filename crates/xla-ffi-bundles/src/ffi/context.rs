@@ -11,7 +11,7 @@ use super::error::{FfiError, FfiResult};
 use super::panic;
 use super::stage::Stage;
 use super::sys;
-use super::types::StateType;
+use super::types::{StateType, StateTypeRegistration};
 
 /// A platform stream (`CUstream` on CUDA), never dereferenced by this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,11 +36,22 @@ pub struct Context<'a> {
     api: Api<'a>,
     ctx: *mut sys::XLA_FFI_ExecutionContext,
     stage: Stage,
+    keeps_stage_state: bool,
 }
 
 impl<'a> Context<'a> {
-    pub(crate) fn new(api: Api<'a>, ctx: *mut sys::XLA_FFI_ExecutionContext, stage: Stage) -> Self {
-        Context { api, ctx, stage }
+    pub(crate) fn new(
+        api: Api<'a>,
+        ctx: *mut sys::XLA_FFI_ExecutionContext,
+        stage: Stage,
+        keeps_stage_state: bool,
+    ) -> Self {
+        Context {
+            api,
+            ctx,
+            stage,
+            keeps_stage_state,
+        }
     }
 
     /// The stage this call runs.
@@ -62,30 +73,28 @@ impl<'a> Context<'a> {
         Ok(())
     }
 
-    /// The state made by this call site's instantiate stage.
-    pub fn state<T: StateType>(&self) -> FfiResult<&'a T> {
-        self.require_ctx("the state")?;
+    /// `T`'s registration, checked to be `T`'s and to have an id from XLA.
+    fn registered<T: StateType>(what: &str) -> FfiResult<&'static StateTypeRegistration> {
         let registration = T::registration();
         registration.check_type::<T>()?;
         if registration.type_id() == 0 {
             return Err(FfiError::failed_precondition(format!(
-                "state type `{}` is not registered with XLA",
+                "{what} type `{}` is not registered with XLA (declare it on the bundle: \
+                 `.prepare_state::<T>()`, `.initialize_state::<T>()` or `.user_data::<T>()`; \
+                 an instantiate state is the bundle's `State`)",
                 registration.name()
             )));
         }
-        let get = api_fn!(self.api, XLA_FFI_State_Get)?;
-        let mut args = sys::XLA_FFI_State_Get_Args {
-            struct_size: sys::XLA_FFI_State_Get_Args::STRUCT_SIZE,
-            extension_start: ptr::null_mut(),
-            ctx: self.ctx,
-            stage: Stage::Instantiate.to_raw(),
-            type_id: registration.type_id_ptr(),
-            state: ptr::null_mut(),
-        };
-        // SAFETY: `args` is valid for the call; `ctx` is this call's context.
-        let err = unsafe { get(&mut args) };
-        self.api.check("XLA_FFI_State_Get", err)?;
-        let state = NonNull::new(args.state.cast::<T>()).ok_or_else(|| {
+        Ok(registration)
+    }
+
+    /// The state made by this call site's instantiate stage.
+    pub fn state<T: StateType>(&self) -> FfiResult<&'a T> {
+        self.require_ctx("the state")?;
+        let registration = Self::registered::<T>("state")?;
+        // SAFETY: `get_state` returns a pointer that XLA stored with `T`'s type id.
+        let state = unsafe { self.get_state(Stage::Instantiate, registration) }?;
+        let state = NonNull::new(state.cast::<T>()).ok_or_else(|| {
             FfiError::failed_precondition(format!(
                 "no `{}` state: the instantiate stage did not run for this call site",
                 registration.name()
@@ -100,15 +109,165 @@ impl<'a> Context<'a> {
     /// Hands `state` to XLA for this call site; XLA drops it with the executable.
     pub(crate) fn set_state<T: StateType>(&self, state: T) -> FfiResult<()> {
         self.require_ctx("the state")?;
-        let registration = T::registration();
-        registration.check_type::<T>()?;
+        let registration = Self::registered::<T>("state")?;
+        self.put_state(Stage::Instantiate, registration, state)
+            .map(|_| ())
+    }
+
+    /// Why a prepare- or initialize-stage state of `stage` cannot be used from this call, if it
+    /// cannot: XLA keeps one per stage and per execution on device platforms only (on XLA:CPU
+    /// the call would dereference a null pointer), and none for the execute stage.
+    fn check_stage_state(&self, stage: Stage, what: &str) -> FfiResult<()> {
+        if !self.keeps_stage_state {
+            return Err(FfiError::failed_precondition(format!(
+                "cannot {what} the {stage}-stage state: XLA:CPU runs no prepare or initialize \
+                 stage and keeps no state for them (keep per-call-site data in the instantiate \
+                 state)"
+            )));
+        }
+        if !matches!(stage, Stage::Prepare | Stage::Initialize) {
+            return Err(FfiError::invalid_argument(format!(
+                "cannot {what} a {stage}-stage state here: XLA keeps prepare- and \
+                 initialize-stage states (the instantiate state is `Context::state`)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The state that this execution's `stage` (prepare or initialize) stored with
+    /// [`Context::set_stage_state`], from that stage or a later one of the same execution.
+    ///
+    /// On XLA:GPU these states live for one execution on one device: made by its prepare or
+    /// initialize stage, readable by its execute stage, dropped when the execution returns on
+    /// the host (not when the device work ends, so device work must not read them). XLA:CPU
+    /// keeps none: there this is an error, as is asking for the execute stage's.
+    pub fn stage_state<T: StateType>(&self, stage: Stage) -> FfiResult<&'a T> {
+        self.require_ctx("a stage state")?;
+        self.check_stage_state(stage, "get")?;
+        let registration = Self::registered::<T>("stage state")?;
+        // SAFETY: as in `state`.
+        let state = unsafe { self.get_state(stage, registration) }.map_err(|e| {
+            FfiError::failed_precondition(format!(
+                "no `{}` state from the {stage} stage of this execution: {e}",
+                registration.name()
+            ))
+        })?;
+        let state = NonNull::new(state.cast::<T>()).ok_or_else(|| {
+            FfiError::failed_precondition(format!(
+                "no `{}` state from the {stage} stage of this execution",
+                registration.name()
+            ))
+        })?;
+        // SAFETY: XLA checked the type id; the state is the `Box<T>` a stage of this
+        // execution handed over, which XLA keeps until the execution returns, after this call.
+        Ok(unsafe { &*state.as_ptr() })
+    }
+
+    /// Hands `state` to XLA as the state of this call's stage (prepare or initialize), for
+    /// this stage and the later ones of the same execution ([`Context::stage_state`]); XLA
+    /// drops it when the execution returns. One per stage and execution: a second is XLA's
+    /// error. Refused on XLA:CPU and in the instantiate and execute stages.
+    pub fn set_stage_state<T: StateType>(&self, state: T) -> FfiResult<&'a T> {
+        self.require_ctx("a stage state")?;
+        self.check_stage_state(self.stage, "set")?;
+        let registration = Self::registered::<T>("stage state")?;
+        let raw = self
+            .put_state(self.stage, registration, state)
+            .map_err(|e| {
+                FfiError::failed_precondition(format!(
+                    "cannot set a `{}` state for the {} stage of this execution (XLA keeps one \
+                     per stage and execution): {e}",
+                    registration.name(),
+                    self.stage
+                ))
+            })?;
+        // SAFETY: XLA took `raw` (a live `Box<T>`) and frees it only when the execution
+        // returns, after this call; we only share it from here on.
+        Ok(unsafe { &*raw })
+    }
+
+    /// Data of type `T` that the program running XLA attached to this execution (PjRt's
+    /// `ExecuteOptions::context`, XLA's `ffi::UserData<T>`). JAX attaches none that a
+    /// handler can name, so through JAX this is XLA's "not found" error; a C++ embedder of
+    /// PjRt can pass some. `T`'s type must be registered (`.user_data::<T>()` on the bundle).
+    pub fn user_data<T: StateType>(&self) -> FfiResult<&'a T> {
+        self.require_ctx("user data")?;
+        let registration = Self::registered::<T>("user data")?;
+        let get = api_fn!(self.api, XLA_FFI_ExecutionContext_Get)?;
+        let mut args = sys::XLA_FFI_ExecutionContext_Get_Args {
+            struct_size: sys::XLA_FFI_ExecutionContext_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            type_id: registration.type_id_ptr(),
+            data: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call; `ctx` is this call's context.
+        let err = unsafe { get(&mut args) };
+        self.api
+            .check("XLA_FFI_ExecutionContext_Get", err)
+            .map_err(|e| {
+                FfiError::failed_precondition(format!(
+                    "no user data of type `{}` in this execution: {e}",
+                    registration.name()
+                ))
+            })?;
+        let data = NonNull::new(args.data.cast::<T>()).ok_or_else(|| {
+            FfiError::failed_precondition(format!(
+                "no user data of type `{}` in this execution (XLA returned null)",
+                registration.name()
+            ))
+        })?;
+        // SAFETY: XLA looked the data up by `T`'s type id, so it was attached as a `T`; the
+        // execution context that owns it outlives every handler call of the execution.
+        Ok(unsafe { &*data.as_ptr() })
+    }
+
+    /// XLA's state pointer for `stage` (null if XLA has none), stored with `registration`'s
+    /// type id.
+    ///
+    /// # Safety
+    /// `stage` must be one whose state XLA keeps on this platform (the instantiate stage, or
+    /// prepare and initialize where `check_stage_state` allows them): for the others XLA
+    /// dereferences a null pointer.
+    unsafe fn get_state(
+        &self,
+        stage: Stage,
+        registration: &'static StateTypeRegistration,
+    ) -> FfiResult<*mut c_void> {
+        let get = api_fn!(self.api, XLA_FFI_State_Get)?;
+        let mut args = sys::XLA_FFI_State_Get_Args {
+            struct_size: sys::XLA_FFI_State_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            stage: stage.to_raw(),
+            type_id: registration.type_id_ptr(),
+            state: ptr::null_mut(),
+        };
+        // SAFETY: `args` is valid for the call; `ctx` is this call's context; the caller
+        // vouches for the stage.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_State_Get", err)?;
+        Ok(args.state)
+    }
+
+    /// Hands `state`, boxed, to XLA as `stage`'s state; on success XLA owns the box (freed by
+    /// the type info's deleter) and its pointer is returned.
+    fn put_state<T: StateType>(
+        &self,
+        stage: Stage,
+        registration: &'static StateTypeRegistration,
+        state: T,
+    ) -> FfiResult<*mut T> {
+        // Only the instantiate stage's own state, or a stage state that `check_stage_state`
+        // allowed: the stages whose state XLA keeps.
+        debug_assert!(stage == Stage::Instantiate || self.check_stage_state(stage, "set").is_ok());
         let set = api_fn!(self.api, XLA_FFI_State_Set)?;
         let raw = Box::into_raw(Box::new(state));
         let mut args = sys::XLA_FFI_State_Set_Args {
             struct_size: sys::XLA_FFI_State_Set_Args::STRUCT_SIZE,
             extension_start: ptr::null_mut(),
             ctx: self.ctx,
-            stage: self.stage.to_raw(),
+            stage: stage.to_raw(),
             type_id: registration.type_id_ptr(),
             state: raw.cast(),
         };
@@ -119,7 +278,8 @@ impl<'a> Context<'a> {
             // SAFETY: XLA refused the state, so it is still ours; free it once.
             drop(unsafe { Box::from_raw(raw) });
         }
-        self.api.check("XLA_FFI_State_Set", err)
+        self.api.check("XLA_FFI_State_Set", err)?;
+        Ok(raw)
     }
 
     /// The platform stream of this call (GPU); an error on platforms without streams.

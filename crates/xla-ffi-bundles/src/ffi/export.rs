@@ -189,22 +189,25 @@ impl LibraryTable {
                     platform: def.platform.into(),
                 });
             }
-            let state_type = match (def.state)() {
-                None => -1,
-                Some(registration) => {
-                    let index = match types.iter().position(|t| t.name() == registration.name()) {
-                        Some(index) if ptr::eq(types[index], registration) => index,
-                        Some(_) => {
-                            return Err(ExportError::DuplicateStateType(registration.name().into()))
-                        }
-                        None => {
-                            types.push(registration);
-                            types.len() - 1
-                        }
-                    };
-                    index as i64
+            // The bundle's state type first (its index goes in the entry), then the types its
+            // stages keep besides (stage states, user data): in the table's list too, which a
+            // reader registers whether or not a bundle names them.
+            let mut state_type = -1;
+            for registration in def.types() {
+                let index = match types.iter().position(|t| t.name() == registration.name()) {
+                    Some(index) if ptr::eq(types[index], registration) => index,
+                    Some(_) => {
+                        return Err(ExportError::DuplicateStateType(registration.name().into()))
+                    }
+                    None => {
+                        types.push(registration);
+                        types.len() - 1
+                    }
+                };
+                if (def.state)().is_some_and(|s| ptr::eq(s, registration)) {
+                    state_type = index as i64;
                 }
-            };
+            }
             bundles.push(BundleExport {
                 target: c_string(&mut strings, "target", def.target)?,
                 platform: c_string(&mut strings, "platform", def.platform)?,

@@ -159,7 +159,7 @@ pub fn register_type(registration: &StateTypeRegistration) -> Result<i64, (Error
 /// harmless, as with XLA, since the registration's cell holds the id by then).
 pub fn register_bundle_types(defs: &[super::BundleDef]) {
     for def in defs {
-        if let Some(registration) = (def.state)() {
+        for registration in def.types() {
             if let Err((_, message)) = register_type(registration) {
                 panic!("registering `{}`: {message}", registration.name());
             }
@@ -186,7 +186,12 @@ pub fn instantiate(
 
 /// An execution context: states per stage, device facts, and outstanding device memory.
 pub struct FakeContext {
+    /// The state of each stage that has one, by the stage's C value: (type id, pointer). As on
+    /// XLA:GPU, the instantiate state lives as long as the context (the executable), the
+    /// prepare and initialize states until [`FakeContext::end_execution`].
     states: Mutex<HashMap<i32, (i64, usize)>>,
+    /// User data by type id, as PjRt's `ExecuteOptions::context` holds it.
+    user_data: Mutex<HashMap<i64, UserDataEntry>>,
     /// The thread count `XLA_FFI_ThreadPool_NumThreads` reports.
     pub num_threads: i64,
     /// The ordinal `XLA_FFI_DeviceOrdinal_Get` reports.
@@ -200,10 +205,14 @@ pub struct FakeContext {
     allocations: Mutex<HashMap<usize, Vec<u64>>>,
 }
 
+/// One user datum: its pointer and the function that drops it.
+type UserDataEntry = (usize, unsafe fn(usize));
+
 impl Default for FakeContext {
     fn default() -> Self {
         FakeContext {
             states: Mutex::default(),
+            user_data: Mutex::default(),
             num_threads: 4,
             device_ordinal: 0,
             run_id: 42,
@@ -258,20 +267,94 @@ impl FakeContext {
     }
 }
 
-impl Drop for FakeContext {
-    /// Deletes the states with their type's deleter, as XLA does when an executable dies.
-    fn drop(&mut self) {
-        let states: Vec<(i64, usize)> = self.states.lock().drain().map(|(_, v)| v).collect();
-        for (type_id, state) in states {
-            if let Some(info) = type_info(type_id) {
-                // SAFETY: registered type infos point to static `XLA_FFI_TypeInfo`s.
-                let info = unsafe { &*(info as *const XLA_FFI_TypeInfo) };
-                if let Some(deleter) = info.deleter {
-                    // SAFETY: `state` was set with this type id and is deleted once.
-                    unsafe { deleter(state as *mut c_void) };
-                }
+impl FakeContext {
+    /// Ends one execution as XLA:GPU does when `ExecuteThunks` returns: the prepare- and
+    /// initialize-stage states are deleted with their type's deleter; the instantiate state
+    /// stays for the next execution.
+    pub fn end_execution(&self) {
+        let stages = [super::Stage::Prepare, super::Stage::Initialize].map(|s| s.to_raw().0);
+        let ended: Vec<(i64, usize)> = {
+            let mut states = self.states.lock();
+            stages.iter().filter_map(|s| states.remove(s)).collect()
+        };
+        delete_states(ended);
+    }
+
+    /// The user data of type `T` attached with [`FakeContext::set_user_data`], if any.
+    pub fn user_data<T: super::StateType>(&self) -> Option<&T> {
+        let type_id = T::registration().type_id();
+        let (data, _) = *self.user_data.lock().get(&type_id)?;
+        // SAFETY: `set_user_data` stored a `Box<T>` under `T`'s type id; it lives until this
+        // context drops, which the returned borrow of `self` does not outlive.
+        (type_id != 0).then(|| unsafe { &*(data as *const T) })
+    }
+
+    /// Attaches `value` to the executions of this context as user data of type `T`
+    /// (`T`'s type must be registered), as a PjRt embedder does through
+    /// `ExecuteOptions::context`; dropped with the context.
+    pub fn set_user_data<T: super::StateType>(&self, value: T) {
+        let type_id = T::registration().type_id();
+        assert_ne!(type_id, 0, "register `{}` first", T::registration().name());
+        /// Drops the `Box<T>` behind `data`.
+        ///
+        /// # Safety
+        /// `data` must be a `Box<T>` leaked by `set_user_data`, dropped once.
+        unsafe fn drop_box<T>(data: usize) {
+            // SAFETY: per the contract.
+            drop(unsafe { Box::from_raw(data as *mut T) });
+        }
+        let data = Box::into_raw(Box::new(value)) as usize;
+        if let Some((old, drop_old)) = self.user_data.lock().insert(type_id, (data, drop_box::<T>)) {
+            // SAFETY: the replaced entry was inserted the same way and is now unreachable.
+            unsafe { drop_old(old) };
+        }
+    }
+}
+
+/// Deletes states with their type's deleter, as XLA does when their owner goes.
+fn delete_states(states: Vec<(i64, usize)>) {
+    for (type_id, state) in states {
+        if let Some(info) = type_info(type_id) {
+            // SAFETY: registered type infos point to static `XLA_FFI_TypeInfo`s.
+            let info = unsafe { &*(info as *const XLA_FFI_TypeInfo) };
+            if let Some(deleter) = info.deleter {
+                // SAFETY: `state` was set with this type id and is deleted once.
+                unsafe { deleter(state as *mut c_void) };
             }
         }
+    }
+}
+
+impl Drop for FakeContext {
+    /// Deletes the states with their type's deleter, as XLA does when an executable dies, and
+    /// the user data.
+    fn drop(&mut self) {
+        let states: Vec<(i64, usize)> = self.states.lock().drain().map(|(_, v)| v).collect();
+        delete_states(states);
+        for (_, (data, drop_data)) in self.user_data.lock().drain() {
+            // SAFETY: each entry was inserted by `set_user_data` and is dropped once.
+            unsafe { drop_data(data) };
+        }
+    }
+}
+
+/// Whether XLA keeps a state for the stage `raw`: the instantiate, prepare and initialize
+/// stages. For any other (the execute stage) XLA:GPU's `State_Set`/`Get` dereference a null
+/// pointer; the fake says so loudly instead, so a test sees the wrapper let one through.
+fn keeps_state(raw: i32) -> Result<(), *mut XLA_FFI_Error> {
+    let kept = [
+        super::Stage::Instantiate,
+        super::Stage::Prepare,
+        super::Stage::Initialize,
+    ];
+    if kept.iter().any(|s| s.to_raw().0 == raw) {
+        Ok(())
+    } else {
+        Err(make_error(
+            ErrorCode::Internal,
+            "the fake runtime: a state for a stage XLA keeps none for (XLA would dereference \
+             a null pointer here)",
+        ))
     }
 }
 
@@ -293,9 +376,16 @@ unsafe extern "C" fn state_set(args: *mut XLA_FFI_State_Set_Args) -> *mut XLA_FF
     if type_info(type_id).is_none() {
         return make_error(ErrorCode::InvalidArgument, "type id not registered");
     }
+    if let Err(e) = keeps_state(args.stage.0) {
+        return e;
+    }
     let mut states = ctx.states.lock();
-    if states.contains_key(&args.stage.0) {
-        return make_error(ErrorCode::AlreadyExists, "state already set");
+    if let Some((set, _)) = states.get(&args.stage.0) {
+        // XLA's words (execution_state.cc).
+        return make_error(
+            ErrorCode::FailedPrecondition,
+            &format!("State is already set with a type id {set}"),
+        );
     }
     states.insert(args.stage.0, (type_id, args.state as usize));
     ptr::null_mut()
@@ -309,8 +399,11 @@ unsafe extern "C" fn state_get(args: *mut XLA_FFI_State_Get_Args) -> *mut XLA_FF
     };
     // SAFETY: `type_id` is a valid pointer.
     let type_id = unsafe { (*args.type_id).type_id };
+    if let Err(e) = keeps_state(args.stage.0) {
+        return e;
+    }
     match ctx.states.lock().get(&args.stage.0) {
-        None => make_error(ErrorCode::NotFound, "state is not set"),
+        None => make_error(ErrorCode::NotFound, "State is not set"),
         Some((t, _)) if *t != type_id => {
             make_error(ErrorCode::InvalidArgument, "state type mismatch")
         }
@@ -471,10 +564,27 @@ unsafe extern "C" fn future_set_error(
     }
 }
 
-unsafe extern "C" fn unsupported_ctx_get(
-    _args: *mut XLA_FFI_ExecutionContext_Get_Args,
+unsafe extern "C" fn user_data_get(
+    args: *mut XLA_FFI_ExecutionContext_Get_Args,
 ) -> *mut XLA_FFI_Error {
-    make_error(ErrorCode::NotFound, "the fake runtime has no user data")
+    // SAFETY: valid args from the FFI layer; `ctx` is a FakeContext.
+    let (args, ctx) = unsafe { (&mut *args, fake_ctx((*args).ctx)) };
+    let Some(ctx) = ctx else {
+        return make_error(ErrorCode::Internal, "no context");
+    };
+    // SAFETY: `type_id` is a valid pointer.
+    let type_id = unsafe { (*args.type_id).type_id };
+    match ctx.user_data.lock().get(&type_id) {
+        // XLA's words (execution_context.cc).
+        None => make_error(
+            ErrorCode::NotFound,
+            &format!("User data with type id {type_id} not found in execution context"),
+        ),
+        Some((data, _)) => {
+            args.data = *data as *mut c_void;
+            ptr::null_mut()
+        }
+    }
 }
 
 unsafe extern "C" fn unsupported_register(
@@ -509,7 +619,7 @@ fn build_api() -> XLA_FFI_Api {
         XLA_FFI_Handler_Register: Some(unsupported_register),
         XLA_FFI_Stream_Get: Some(stream_get),
         XLA_FFI_Type_Register: Some(type_register),
-        XLA_FFI_ExecutionContext_Get: Some(unsupported_ctx_get),
+        XLA_FFI_ExecutionContext_Get: Some(user_data_get),
         XLA_FFI_State_Set: Some(state_set),
         XLA_FFI_State_Get: Some(state_get),
         XLA_FFI_DeviceMemory_Allocate: Some(allocate),

@@ -26,7 +26,11 @@ impl<'a> Frame<'a> {
     /// # Safety
     /// `raw` must be non-null, readable for at least `XLA_FFI_CallFrame::STRUCT_SIZE` bytes
     /// (the trampoline checks its `struct_size`), as XLA passes it, for `'a`.
-    pub(crate) unsafe fn from_raw(raw: *mut sys::XLA_FFI_CallFrame, api: Api<'a>) -> Self {
+    pub(crate) unsafe fn from_raw(
+        raw: *mut sys::XLA_FFI_CallFrame,
+        api: Api<'a>,
+        keeps_stage_state: bool,
+    ) -> Self {
         // SAFETY: every field read lies within STRUCT_SIZE (caller's contract).
         unsafe {
             let stage = ptr::addr_of!((*raw).stage).read();
@@ -37,7 +41,12 @@ impl<'a> Frame<'a> {
                 args: &*ptr::addr_of!((*raw).args),
                 rets: &*ptr::addr_of!((*raw).rets),
                 attrs: &*ptr::addr_of!((*raw).attrs),
-                context: Context::new(api, ctx, Stage::from_raw(stage).unwrap_or(Stage::Execute)),
+                context: Context::new(
+                    api,
+                    ctx,
+                    Stage::from_raw(stage).unwrap_or(Stage::Execute),
+                    keeps_stage_state,
+                ),
             }
         }
     }

@@ -21,6 +21,10 @@ pub struct HandlerInfo {
     pub traits: sys::XLA_FFI_Handler_Traits,
     /// The state type this handler creates (instantiate stages of stateful bundles).
     pub creates_state: Option<&'static StateTypeRegistration>,
+    /// Whether the bundle's platform keeps prepare- and initialize-stage state
+    /// ([`super::platform::Platform::KEEPS_STAGE_STATE`]); the context refuses those states
+    /// where it does not.
+    pub keeps_stage_state: bool,
 }
 
 /// Extension chains longer than this are treated as malformed (XLA sends one).

@@ -61,7 +61,8 @@ pub use buffer::{
     InPlaceBuffer, Operand, RankedBuffer, RankedResult, RemainingArgs, ResultBuffer, ResultList,
 };
 pub use bundle::{
-    Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, Traits,
+    Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, StageTypes,
+    Traits,
 };
 pub use context::{Context, Stream};
 pub use dtype::{DataType, NativeType};

@@ -19,6 +19,11 @@ mod sealed {
 pub trait Platform: sealed::Sealed + Send + Sync + 'static {
     /// The name JAX registers targets under (`jax.ffi.register_ffi_target(..., platform=)`).
     const NAME: &'static str;
+    /// Whether XLA runs the prepare and initialize stages here and keeps a state for each
+    /// (XLA:GPU does, per execution). XLA:CPU runs instantiate and execute only, and its
+    /// `XLA_FFI_State_Set`/`Get` for those stages dereference a null pointer, so the context
+    /// refuses them itself ([`super::context::Context::stage_state`]).
+    const KEEPS_STAGE_STATE: bool;
 }
 
 /// A platform whose buffers are device memory: addresses only, no slices.
@@ -37,10 +42,12 @@ impl sealed::Sealed for Cuda {}
 
 impl Platform for Host {
     const NAME: &'static str = "cpu";
+    const KEEPS_STAGE_STATE: bool = false;
 }
 
 impl Platform for Cuda {
     const NAME: &'static str = "cuda";
+    const KEEPS_STAGE_STATE: bool = true;
 }
 
 impl Device for Cuda {}

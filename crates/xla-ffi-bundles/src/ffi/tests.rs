@@ -733,7 +733,7 @@ fn instantiate_validates_attributes() {
     let mut exec = scale_frame(Stage::Execute, &[1.0; 4], &[4], 4).build(&ctx);
     let (_, message) = exec.call(execute(&SCALE)).unwrap_err();
     assert!(
-        message.contains("XLA_FFI_State_Get failed: state is not set"),
+        message.contains("XLA_FFI_State_Get failed: State is not set"),
         "{message}"
     );
 }
@@ -1745,4 +1745,265 @@ fn an_async_calls_errors_come_back_through_its_future() {
         .build(&ctx);
     let (_, message) = call_err(&mut frame, &ASYNC_SCALE, Stage::Execute);
     assert!(message.contains("missing attribute `mode`"), "{message}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// State at prepare and initialize, and user data
+// ---------------------------------------------------------------------------------------------
+
+/// The prepare stage's state: registered in the live-state registry like an instantiate state.
+struct PrepareScratch {
+    live: crate::state::LiveState,
+    value: i32,
+}
+crate::state_type!(PrepareScratch, "rmsnorm_ffi.tests.PrepareScratch");
+
+/// The initialize stage's state, made from the prepare stage's.
+struct InitializeScratch {
+    doubled: i32,
+}
+crate::state_type!(InitializeScratch, "rmsnorm_ffi.tests.InitializeScratch");
+
+/// User data: what each execute saw (per context, so tests in parallel do not mix), and the
+/// prepare states' registry ids.
+#[derive(Default)]
+struct StageTally {
+    seen: parking_lot::Mutex<Vec<(i32, i32)>>,
+    prepare_ids: parking_lot::Mutex<Vec<u64>>,
+}
+crate::state_type!(StageTally, "rmsnorm_ffi.tests.StageTally");
+
+const STAGE_STATES_TARGET: &str = "stage_states";
+
+crate::ffi_attrs! {
+    /// What execute asks for that it must not get: "" (nothing), "execute" (the execute
+    /// stage's state), "set" (to set a state from execute).
+    struct StageStatesAttrs<'a> {
+        misuse: &'a str,
+    }
+}
+
+struct StageStates;
+impl Bundle for StageStates {
+    const TARGET: &'static str = STAGE_STATES_TARGET;
+    type Platform = Cuda;
+    type State = NoState;
+}
+impl Prepare for StageStates {
+    type Attrs<'a> = ();
+    fn prepare(_: &NoState, ctx: &Context<'_>, _: ()) -> FfiResult<()> {
+        let state = ctx.set_stage_state(PrepareScratch {
+            live: crate::state::LiveState::register(
+                STAGE_STATES_TARGET,
+                "rmsnorm_ffi.tests.PrepareScratch",
+            ),
+            value: 7,
+        })?;
+        ctx.user_data::<StageTally>()?
+            .prepare_ids
+            .lock()
+            .push(state.live.id());
+        Ok(())
+    }
+}
+impl Initialize for StageStates {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn initialize(_: &NoState, ctx: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
+        let prepared = ctx.stage_state::<PrepareScratch>(Stage::Prepare)?;
+        ctx.set_stage_state(InitializeScratch {
+            doubled: 2 * prepared.value,
+        })?;
+        Ok(())
+    }
+}
+impl Execute for StageStates {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = StageStatesAttrs<'a>;
+    fn execute(
+        _: &NoState,
+        ctx: &Context<'_>,
+        _: (),
+        _: (),
+        attrs: StageStatesAttrs<'_>,
+    ) -> FfiResult<()> {
+        match attrs.misuse {
+            "execute" => {
+                ctx.stage_state::<PrepareScratch>(Stage::Execute)?;
+            }
+            "set" => {
+                ctx.set_stage_state(InitializeScratch { doubled: 0 })?;
+            }
+            _ => {}
+        }
+        let prepared = ctx.stage_state::<PrepareScratch>(Stage::Prepare)?;
+        let initialized = ctx.stage_state::<InitializeScratch>(Stage::Initialize)?;
+        ctx.user_data::<StageTally>()?
+            .seen
+            .lock()
+            .push((prepared.value, initialized.doubled));
+        Ok(())
+    }
+}
+const STAGE_STATES: BundleDef = BundleDef::of::<StageStates>()
+    .prepare()
+    .prepare_state::<PrepareScratch>()
+    .initialize()
+    .initialize_state::<InitializeScratch>()
+    .execute()
+    .user_data::<StageTally>()
+    .build();
+
+/// Runs `stage` of `def` in `ctx` with `attrs`.
+fn run_stage(
+    ctx: &FakeContext,
+    def: &BundleDef,
+    stage: Stage,
+    attrs: &[(&str, OwnedAttr)],
+) -> Result<(), (ErrorCode, String)> {
+    let mut builder = FrameBuilder::new(stage);
+    for (name, value) in attrs {
+        builder = builder.attr(name, value.clone());
+    }
+    builder.build(ctx).call(def.handler(stage).unwrap())
+}
+
+#[test]
+fn stage_states_live_for_one_execution_and_count_in_the_registry() {
+    fake::register_bundle_types(&[STAGE_STATES]);
+    let ctx = FakeContext::new();
+    ctx.set_user_data(StageTally::default());
+    let none = [("misuse", OwnedAttr::string(""))];
+    for execution in 0..3 {
+        run_stage(&ctx, &STAGE_STATES, Stage::Prepare, &[]).unwrap();
+        run_stage(&ctx, &STAGE_STATES, Stage::Initialize, &[]).unwrap();
+        run_stage(&ctx, &STAGE_STATES, Stage::Execute, &none).unwrap();
+        // This execution's prepare state is live in the registry until the execution ends.
+        let tally_ids = {
+            let tally = ctx_tally(&ctx);
+            let ids = tally.prepare_ids.lock().clone();
+            assert_eq!(ids.len(), execution + 1);
+            ids
+        };
+        let live = |id: u64| crate::state::snapshot().states.iter().any(|s| s.id == id);
+        assert!(live(*tally_ids.last().unwrap()));
+        assert_eq!(ctx.state_count(), 2);
+        ctx.end_execution();
+        assert_eq!(ctx.state_count(), 0);
+        assert!(tally_ids.iter().all(|id| !live(*id)), "a prepare state outlived its execution");
+    }
+    assert_eq!(*ctx_tally(&ctx).seen.lock(), vec![(7, 14); 3]);
+}
+
+/// The tally the context holds as user data.
+fn ctx_tally(ctx: &FakeContext) -> &StageTally {
+    ctx.user_data::<StageTally>().expect("the test attached a tally")
+}
+
+#[test]
+fn stage_states_are_refused_where_xla_keeps_none() {
+    fake::register_bundle_types(&[STAGE_STATES]);
+    let ctx = FakeContext::new();
+    ctx.set_user_data(StageTally::default());
+    run_stage(&ctx, &STAGE_STATES, Stage::Prepare, &[]).unwrap();
+    // A second prepare in the same execution: XLA keeps one state per stage.
+    let (code, message) = run_stage(&ctx, &STAGE_STATES, Stage::Prepare, &[]).unwrap_err();
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(message.contains("State is already set"), "{message}");
+    // Execute reads prepare's state but has none of its own; the wrapper says so before XLA
+    // (whose fake here would say "null pointer") is asked.
+    run_stage(&ctx, &STAGE_STATES, Stage::Initialize, &[]).unwrap();
+    for misuse in ["execute", "set"] {
+        let attrs = [("misuse", OwnedAttr::string(misuse))];
+        let (code, message) = run_stage(&ctx, &STAGE_STATES, Stage::Execute, &attrs).unwrap_err();
+        assert_eq!(code, ErrorCode::InvalidArgument, "{misuse}: {message}");
+        assert!(message.contains("execute-stage state"), "{misuse}: {message}");
+        assert!(!message.contains("null pointer"), "{misuse}: {message}");
+    }
+    // Once the execution ended, execute finds no prepare state.
+    ctx.end_execution();
+    let attrs = [("misuse", OwnedAttr::string(""))];
+    let (code, message) = run_stage(&ctx, &STAGE_STATES, Stage::Execute, &attrs).unwrap_err();
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(
+        message.contains("no `rmsnorm_ffi.tests.PrepareScratch` state from the prepare stage")
+            && message.contains("State is not set"),
+        "{message}"
+    );
+}
+
+#[test]
+fn missing_user_data_is_xla_s_error_with_the_type_named() {
+    fake::register_bundle_types(&[STAGE_STATES]);
+    let ctx = FakeContext::new();
+    let (code, message) = run_stage(&ctx, &STAGE_STATES, Stage::Prepare, &[]).unwrap_err();
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(
+        message.contains("no user data of type `rmsnorm_ffi.tests.StageTally`")
+            && message.contains("not found in execution context"),
+        "{message}"
+    );
+    // The prepare state was set before the user data was asked for, and is freed at the end.
+    ctx.end_execution();
+    assert_eq!(ctx.state_count(), 0);
+}
+
+/// A host bundle that asks for a prepare-stage state: XLA:CPU keeps none (there the call
+/// would be a null dereference), so the context refuses.
+struct HostStageState;
+impl Bundle for HostStageState {
+    const TARGET: &'static str = "host_stage_state";
+    type Platform = Host;
+    type State = NoState;
+}
+impl Execute for HostStageState {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &NoState, ctx: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
+        ctx.stage_state::<PrepareScratch>(Stage::Prepare).map(|_| ())
+    }
+}
+const HOST_STAGE_STATE: BundleDef = BundleDef::of::<HostStageState>().execute().build();
+
+#[test]
+fn a_host_bundle_gets_no_stage_state() {
+    fake::register_bundle_types(&[STAGE_STATES]);
+    let ctx = FakeContext::new();
+    let (code, message) = run_stage(&ctx, &HOST_STAGE_STATE, Stage::Execute, &[]).unwrap_err();
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(
+        message.contains("host_stage_state: [execute] cannot get the prepare-stage state: XLA:CPU"),
+        "{message}"
+    );
+}
+
+#[test]
+fn declared_stage_types_are_registered_with_the_bundle() {
+    let names: Vec<&str> = STAGE_STATES.types().iter().map(|t| t.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "rmsnorm_ffi.tests.PrepareScratch",
+            "rmsnorm_ffi.tests.InitializeScratch",
+            "rmsnorm_ffi.tests.StageTally"
+        ]
+    );
+    // In a library's table too, though no bundle names them as its state.
+    let table = export::LibraryTable::new(&[STAGE_STATES, SCALE]).unwrap();
+    let library = library::read_own(&table, "in-process").unwrap();
+    let in_table: Vec<&str> = library.state_types.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        in_table,
+        [
+            "rmsnorm_ffi.tests.PrepareScratch",
+            "rmsnorm_ffi.tests.InitializeScratch",
+            "rmsnorm_ffi.tests.StageTally",
+            "rmsnorm_ffi.tests.ScaleState"
+        ]
+    );
+    assert_eq!(library.bundles[0].state_type, None);
+    assert_eq!(library.bundles[1].state_type, Some(3));
 }

@@ -54,7 +54,7 @@ pub unsafe fn handle(
                 FfiError::internal("the call frame has no usable XLA_FFI_Api table")
             })?;
             // SAFETY: forwarded contract; the frame's size was checked above.
-            let frame = unsafe { Frame::from_raw(frame, api) };
+            let frame = unsafe { Frame::from_raw(frame, api, info.keeps_stage_state) };
             if frame.stage_raw() != info.stage.to_raw() {
                 return Err(FfiError::invalid_argument(format!(
                     "wrong execution stage: this handler is for `{}`, the call is for `{}`",
