@@ -171,7 +171,11 @@ fn the_fixture_library_exports_its_seven_bundles() {
     );
     // The stage-state probe's user-data type: in the table's list, though no bundle has it as
     // its state, so that register_library gives it to XLA.
-    let types: Vec<&str> = library.state_types.iter().map(|t| t.name.as_str()).collect();
+    let types: Vec<&str> = library
+        .state_types
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect();
     assert_eq!(types.len(), 4);
     assert_eq!(types[3], "rmsnorm_ffi.testing.ProbeUserData");
 }

@@ -539,6 +539,13 @@ fn add_dot<T: Element, W: Element, A: Accum>(
 /// `sum(x^2)`.
 #[inline(always)]
 pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
+    squares::<T, A>(x).total()
+}
+
+/// `sum(x^2)` before its total: the float64 lanes that [`RowSum::total`] (or, for many rows
+/// side by side, [`RowSum::totals`]) finishes.
+#[inline(always)]
+fn squares<T: Element, A: Accum>(x: &[T]) -> RowSum {
     let mut sum = RowSum::new();
     let (chunks, tail) = x.as_chunks::<LANES>();
     for block in chunks.chunks(BLOCK_CHUNKS) {
@@ -549,7 +556,69 @@ pub fn sum_squares<T: Element, A: Accum>(x: &[T]) -> f64 {
         sum.add(&acc);
     }
     sum.add(&tail_squares::<T, A>(tail));
-    sum.total()
+    sum
+}
+
+/// Rows per batch of [`forward_narrow`]: their totals run side by side.
+pub const NARROW_BATCH: usize = 8;
+/// Longest rows [`forward_narrow`] takes: one block of a row's sum, and a batch of rows that
+/// stays in L1 between its two passes.
+pub const NARROW_MAX: usize = 256;
+
+/// Whether rows of `n` take [`forward_narrow`].
+#[inline(always)]
+pub fn narrow(n: usize) -> bool {
+    n > 0 && n <= NARROW_MAX
+}
+
+/// The forward over whole batches of [`NARROW_BATCH`] narrow rows of `n` (see [`narrow`]);
+/// returns how many rows it did (the rest are the caller's). Each batch: the rows' sums of
+/// squares ([`squares`]), their totals side by side ([`RowSum::totals`]), the rstd, then the
+/// rows scaled, re-reading x from L1. The same operations per row as [`forward_row`], so the
+/// same bits.
+///
+/// Why: a row's sum ends in a compensated total of its 16 float64 lanes, 16 dependent
+/// two-sums, then a division and a square root. For a row of 64 that is more work than its
+/// squares, and taken row by row it was a serial float64 chain with the lanes spilled to the
+/// stack that bound the portable loops (perf, AVX2, float32 8192x64: the scalar `vaddsd`,
+/// `vsubsd`, `vdivsd` of the totals were most of the samples, the `vmulps` of the row 4%).
+#[inline(always)]
+pub fn forward_narrow<'w, T: Element, W: Element + 'w, A: Accum>(
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [T],
+    rstd: &mut [A],
+) -> usize {
+    let batch = NARROW_BATCH * n;
+    let mut done = 0;
+    for ((xb, yb), rb) in x
+        .chunks_exact(batch)
+        .zip(y.chunks_exact_mut(batch))
+        .zip(rstd.chunks_exact_mut(NARROW_BATCH))
+    {
+        let mut sums = [RowSum::new(); NARROW_BATCH];
+        for (sum, row) in sums.iter_mut().zip(xb.chunks_exact(n)) {
+            *sum = squares::<T, A>(row);
+        }
+        // The batch's rstd in a loop of their own, so that their divisions and square roots
+        // run side by side too (IEEE operations round the same in vector lanes).
+        let totals = RowSum::totals(sums);
+        for (out, &total) in rb.iter_mut().zip(&totals) {
+            *out = rstd_of(total, n, eps);
+        }
+        for (k, ((xr, yr), &r)) in xb
+            .chunks_exact(n)
+            .zip(yb.chunks_exact_mut(n))
+            .zip(rb.iter())
+            .enumerate()
+        {
+            forward_scale(xr, w_of(done + k), r, yr);
+        }
+        done += NARROW_BATCH;
+    }
+    done
 }
 
 /// The last block of a row's sum of squares: its tail of fewer than [`LANES`] elements, one per
@@ -695,14 +764,29 @@ pub fn add_into<T: Element, A: Accum>(x: &[T], residual: &[T], h: &mut [T]) {
 /// `y = x * r * w` (or `x * r`) for one row.
 #[inline(always)]
 fn forward_scale<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, r: A, y: &mut [T]) {
+    // In LANES-wide chunks, then the tail: element by element, the half-precision conversions
+    // stayed scalar (every row of `forward_narrow`'s batches is scaled here).
+    let (yb, yt) = y.as_chunks_mut::<LANES>();
+    let (xb, xt) = x.as_chunks::<LANES>();
     match w {
         Some(w) => {
-            for ((o, &xi), &wi) in y.iter_mut().zip(x).zip(w) {
+            let (wb, wt) = w.as_chunks::<LANES>();
+            for ((o, xs), ws) in yb.iter_mut().zip(xb).zip(wb) {
+                for l in 0..LANES {
+                    o[l] = (A::load(xs[l]) * r * A::load(ws[l])).store();
+                }
+            }
+            for ((o, &xi), &wi) in yt.iter_mut().zip(xt).zip(wt) {
                 *o = (A::load(xi) * r * A::load(wi)).store();
             }
         }
         None => {
-            for (o, &xi) in y.iter_mut().zip(x) {
+            for (o, xs) in yb.iter_mut().zip(xb) {
+                for l in 0..LANES {
+                    o[l] = (A::load(xs[l]) * r).store();
+                }
+            }
+            for (o, &xi) in yt.iter_mut().zip(xt) {
                 *o = (A::load(xi) * r).store();
             }
         }
@@ -756,6 +840,17 @@ pub fn row_sums<T: Element, W: Element, A: Accum>(
     w: Option<&[W]>,
     dy: &[T],
 ) -> (f64, f64) {
+    let (dot, sq) = row_sum_lanes::<T, W, A>(x, w, dy);
+    (dot.total(), sq.total())
+}
+
+/// [`row_sums`] before their totals.
+#[inline(always)]
+fn row_sum_lanes<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    dy: &[T],
+) -> (RowSum, RowSum) {
     let (mut dot, mut sq) = (RowSum::new(), RowSum::new());
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
@@ -792,7 +887,7 @@ pub fn row_sums<T: Element, W: Element, A: Accum>(
     }
     dot.add(&acc);
     sq.add(&tail_squares::<T, A>(xt));
-    (dot.total(), sq.total())
+    (dot, sq)
 }
 
 /// The last block of a row's `sum(g * x)` with a weight: its tail of fewer than [`LANES`]
@@ -904,18 +999,42 @@ fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
     acc: &mut [A::Wide],
 ) {
     if let (Some(w0), Some(w1)) = (w0, w1) {
-        let outs = o0.iter_mut().zip(o1.iter_mut()).zip(acc.iter_mut());
-        let ins = x0
-            .iter()
-            .zip(x1)
-            .zip(d0.iter().zip(d1))
-            .zip(w0.iter().zip(w1));
-        for (((o0, o1), a), (((&xi0, &xi1), (&di0, &di1)), (&wi0, &wi1))) in outs.zip(ins) {
-            let (h0, g0) = (A::load(xi0) * r0, A::load(di0));
-            let (h1, g1) = (A::load(xi1) * r1, A::load(di1));
-            *o0 = (r0 * (g0 * A::load(wi0) - h0 * c0)).store();
-            *o1 = (r1 * (g1 * A::load(wi1) - h1 * c1)).store();
-            *a = a.add((g0 * h0 + g1 * h1).to_f64());
+        // In LANES-wide chunks, then the tail: element by element, the half-precision
+        // conversions stayed scalar (every pair of `backward_narrow`'s batches goes through here).
+        // Each column in a function, not a let-bound closure: the closure stayed out of line,
+        // compiled for the baseline instruction set (perf: half of a float16 backward's time).
+        let n = x0.len();
+        let (o0b, o0t) = o0.as_chunks_mut::<LANES>();
+        let (o1b, o1t) = o1.as_chunks_mut::<LANES>();
+        let (ab, at) = acc[..n].as_chunks_mut::<LANES>();
+        let (x0b, x0t) = x0.as_chunks::<LANES>();
+        let (x1b, x1t) = x1.as_chunks::<LANES>();
+        let (d0b, d0t) = d0.as_chunks::<LANES>();
+        let (d1b, d1t) = d1.as_chunks::<LANES>();
+        let (w0b, w0t) = w0.as_chunks::<LANES>();
+        let (w1b, w1t) = w1.as_chunks::<LANES>();
+        let outs = o0b.iter_mut().zip(o1b.iter_mut()).zip(ab.iter_mut());
+        let ins = (x0b.iter().zip(x1b)).zip(d0b.iter().zip(d1b));
+        for (((o0, o1), a), (((x0, x1), (d0, d1)), (w0, w1))) in
+            outs.zip(ins.zip(w0b.iter().zip(w1b)))
+        {
+            for l in 0..LANES {
+                pair_column::<T, W, A>(
+                    (&mut o0[l], &mut o1[l]),
+                    &mut a[l],
+                    [x0[l], x1[l], d0[l], d1[l]],
+                    (w0[l], w1[l]),
+                    (r0, r1),
+                    (c0, c1),
+                );
+            }
+        }
+        let outs = o0t.iter_mut().zip(o1t.iter_mut()).zip(at.iter_mut());
+        let ins = (x0t.iter().zip(x1t)).zip(d0t.iter().zip(d1t));
+        for (((o0, o1), a), (((&x0, &x1), (&d0, &d1)), (&w0, &w1))) in
+            outs.zip(ins.zip(w0t.iter().zip(w1t)))
+        {
+            pair_column::<T, W, A>((o0, o1), a, [x0, x1, d0, d1], (w0, w1), (r0, r1), (c0, c1));
         }
         return;
     }
@@ -926,6 +1045,25 @@ fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
         let p1 = A::load(di1) * (A::load(xi1) * r1);
         *a = a.add((p0 + p1).to_f64());
     }
+}
+
+/// One column of a pair of rows' second pass with a weight: both rows' dx and the pair's
+/// weight-gradient term, added to `a` once (see [`backward_rows_paired`]). `i` is x0, x1, dy0,
+/// dy1.
+#[inline(always)]
+fn pair_column<T: Element, W: Element, A: Accum>(
+    (o0, o1): (&mut T, &mut T),
+    a: &mut A::Wide,
+    [xi0, xi1, di0, di1]: [T; 4],
+    (wi0, wi1): (W, W),
+    (r0, r1): (A, A),
+    (c0, c1): (A, A),
+) {
+    let (h0, g0) = (A::load(xi0) * r0, A::load(di0));
+    let (h1, g1) = (A::load(xi1) * r1, A::load(di1));
+    *o0 = (r0 * (g0 * A::load(wi0) - h0 * c0)).store();
+    *o1 = (r1 * (g1 * A::load(wi1) - h1 * c1)).store();
+    *a = a.add((g0 * h0 + g1 * h1).to_f64());
 }
 
 /// Backward pass with a weight and an accumulator, two rows per loop: one loop writes rows
@@ -1075,6 +1213,68 @@ pub fn backward_rows_paired<'w, T: Element, W: Element + 'w, A: Accum>(
             Some(acc),
         );
     }
+}
+
+/// The backward with a weight and an accumulator over whole batches of [`NARROW_BATCH`] narrow
+/// rows of `n` (see [`narrow`]), as [`forward_narrow`] takes the forward; returns how many rows
+/// it did (the rest are [`backward_rows_paired`]'s). Each batch: the rows' first-pass sums, their
+/// totals side by side, the rows' rstd and coefficients, then the second pass in pairs of rows
+/// as [`backward_rows_paired`] pairs them (from the first row; a batch has an even number), so
+/// the same bits.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_narrow<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    dy: &[T],
+    n: usize,
+    w: &[W],
+    rstd: Rstd<'_, A>,
+    dx: &mut [T],
+    acc: &mut [A::Wide],
+) -> usize {
+    const { assert!(NARROW_BATCH.is_multiple_of(2)) };
+    let batch = NARROW_BATCH * n;
+    let mut done = 0;
+    for ((xb, db), ob) in x
+        .chunks_exact(batch)
+        .zip(dy.chunks_exact(batch))
+        .zip(dx.chunks_exact_mut(batch))
+    {
+        let mut dots = [RowSum::new(); NARROW_BATCH];
+        let mut squares = [RowSum::new(); NARROW_BATCH];
+        for (k, (xr, dr)) in xb.chunks_exact(n).zip(db.chunks_exact(n)).enumerate() {
+            (dots[k], squares[k]) = row_sum_lanes::<T, W, A>(xr, Some(w), dr);
+        }
+        let (dot, sq) = (RowSum::totals(dots), RowSum::totals(squares));
+        // Each factor in a loop of its own, so the batch's divisions run side by side.
+        let mut r = [A::ZERO; NARROW_BATCH];
+        for (k, (r, &sq)) in r.iter_mut().zip(&sq).enumerate() {
+            *r = rstd.of(done + k, sq, n);
+        }
+        let mut c = [A::ZERO; NARROW_BATCH];
+        for ((c, &dot), &r) in c.iter_mut().zip(&dot).zip(&r) {
+            *c = coefficient(dot, n, r);
+        }
+        for (k, ((xp, dp), op)) in xb
+            .chunks_exact(2 * n)
+            .zip(db.chunks_exact(2 * n))
+            .zip(ob.chunks_exact_mut(2 * n))
+            .enumerate()
+        {
+            let (o0, o1) = op.split_at_mut(n);
+            backward_pair_second_pass(
+                xp.split_at(n),
+                (Some(w), Some(w)),
+                (r[2 * k], r[2 * k + 1]),
+                (c[2 * k], c[2 * k + 1]),
+                dp.split_at(n),
+                (o0, o1),
+                acc,
+            );
+        }
+        done += NARROW_BATCH;
+    }
+    done
 }
 
 /// `offset + w` for each weight element, taken in `A` (zero-centred gamma: Gemma's `1 + w`): the

@@ -20,9 +20,10 @@ use half::{bf16, f16};
 use super::contract::{DtypePair, Float, Norm, Split};
 pub use super::contract::{BACKWARD_TARGET, FORWARD_TARGET, RESIDUAL_TARGET};
 use super::math::{
-    add_into, backward_row_adding, backward_rows, backward_rows_paired, forward_row, forward_rows,
+    add_into, backward_narrow, backward_row_adding, backward_rows, backward_rows_paired,
+    forward_narrow, forward_row, forward_rows,
     layer::{self, Moments, SplitRows},
-    offset_weights, Accum, Compensated, Element, Rstd, WideSum,
+    narrow, offset_weights, Accum, Compensated, Element, Rstd, WideSum,
 };
 use super::operands::{
     backward_operands, check_eps, check_norm, check_row_len, check_scale_offset, check_split,
@@ -470,6 +471,15 @@ pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
             return;
         }
     }
+    // Narrow rows in batches whose totals run side by side, the rest as below (all
+    // bit-identical).
+    let done = if narrow(n) {
+        forward_narrow::<T, W, A>(x, n, w_of, eps, y, rstd)
+    } else {
+        0
+    };
+    let (x, y, rstd) = (&x[done * n..], &mut y[done * n..], &mut rstd[done..]);
+    let w_of = move |i: usize| w_of(done + i);
     if std::mem::size_of::<T>() == 2 {
         // Half precision is bound by conversions, not memory: overlapping the next row's sum
         // with this row's write pays (bit-identical results).
@@ -508,7 +518,15 @@ pub fn backward_chunk<T: Element, W: Element, A: Accum>(
             return;
         }
     }
-    backward_rows_paired::<T, W, A>(x, dy, n, w, rstd, dx, acc)
+    // Narrow rows in batches whose totals run side by side, the rest in pairs (all
+    // bit-identical: a batch pairs its rows as the pairs below do).
+    let done = if narrow(n) {
+        backward_narrow::<T, W, A>(x, dy, n, w, rstd, dx, acc)
+    } else {
+        0
+    };
+    let (x, dy, dx) = (&x[done * n..], &dy[done * n..], &mut dx[done * n..]);
+    backward_rows_paired::<T, W, A>(x, dy, n, w, rstd.from_row(done), dx, acc)
 }
 
 /// A forward's statistics results: LayerNorm's mean (`None` for the RMS norm) and rstd; and a

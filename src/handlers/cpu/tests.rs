@@ -695,6 +695,11 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         (64, 11, 1),
         (256, 17, 2),
         (33, 12, 2),
+        // The portable narrow batches take any row up to 256 (tails too): one batch and an odd
+        // rest, rows of 7 with a weight row per 10 rows, rows of 257 (just past them).
+        (7, 19, 2),
+        (200, 9, 9),
+        (257, 9, 1),
         (16400, 9, 1),
         (140_000, 3, 1),
     ] {
@@ -812,6 +817,12 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
         (4097, 2),
         (4096, 17),
         (64, 700),
+        // The portable narrow batches (8 rows of up to 256, tails too), then the pairs: one
+        // batch and an odd rest, two batches, rows just past the longest narrow ones.
+        (33, 13),
+        (7, 16),
+        (256, 11),
+        (257, 9),
         // Groups of 31 rows would split the pair of rows 30 and 31 (the AVX-512 loops keep
         // groups even).
         (1040, 33),

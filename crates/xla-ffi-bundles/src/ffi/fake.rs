@@ -304,7 +304,8 @@ impl FakeContext {
             drop(unsafe { Box::from_raw(data as *mut T) });
         }
         let data = Box::into_raw(Box::new(value)) as usize;
-        if let Some((old, drop_old)) = self.user_data.lock().insert(type_id, (data, drop_box::<T>)) {
+        if let Some((old, drop_old)) = self.user_data.lock().insert(type_id, (data, drop_box::<T>))
+        {
             // SAFETY: the replaced entry was inserted the same way and is now unreachable.
             unsafe { drop_old(old) };
         }

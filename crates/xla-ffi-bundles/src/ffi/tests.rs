@@ -1892,14 +1892,18 @@ fn stage_states_live_for_one_execution_and_count_in_the_registry() {
         assert_eq!(ctx.state_count(), 2);
         ctx.end_execution();
         assert_eq!(ctx.state_count(), 0);
-        assert!(tally_ids.iter().all(|id| !live(*id)), "a prepare state outlived its execution");
+        assert!(
+            tally_ids.iter().all(|id| !live(*id)),
+            "a prepare state outlived its execution"
+        );
     }
     assert_eq!(*ctx_tally(&ctx).seen.lock(), vec![(7, 14); 3]);
 }
 
 /// The tally the context holds as user data.
 fn ctx_tally(ctx: &FakeContext) -> &StageTally {
-    ctx.user_data::<StageTally>().expect("the test attached a tally")
+    ctx.user_data::<StageTally>()
+        .expect("the test attached a tally")
 }
 
 #[test]
@@ -1919,7 +1923,10 @@ fn stage_states_are_refused_where_xla_keeps_none() {
         let attrs = [("misuse", OwnedAttr::string(misuse))];
         let (code, message) = run_stage(&ctx, &STAGE_STATES, Stage::Execute, &attrs).unwrap_err();
         assert_eq!(code, ErrorCode::InvalidArgument, "{misuse}: {message}");
-        assert!(message.contains("execute-stage state"), "{misuse}: {message}");
+        assert!(
+            message.contains("execute-stage state"),
+            "{misuse}: {message}"
+        );
         assert!(!message.contains("null pointer"), "{misuse}: {message}");
     }
     // Once the execution ended, execute finds no prepare state.
@@ -1963,7 +1970,8 @@ impl Execute for HostStageState {
     type Rets<'a> = ();
     type Attrs<'a> = ();
     fn execute(_: &NoState, ctx: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
-        ctx.stage_state::<PrepareScratch>(Stage::Prepare).map(|_| ())
+        ctx.stage_state::<PrepareScratch>(Stage::Prepare)
+            .map(|_| ())
     }
 }
 const HOST_STAGE_STATE: BundleDef = BundleDef::of::<HostStageState>().execute().build();
@@ -1994,7 +2002,11 @@ fn declared_stage_types_are_registered_with_the_bundle() {
     // In a library's table too, though no bundle names them as its state.
     let table = export::LibraryTable::new(&[STAGE_STATES, SCALE]).unwrap();
     let library = library::read_own(&table, "in-process").unwrap();
-    let in_table: Vec<&str> = library.state_types.iter().map(|t| t.name.as_str()).collect();
+    let in_table: Vec<&str> = library
+        .state_types
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect();
     assert_eq!(
         in_table,
         [
