@@ -140,8 +140,16 @@ pub(crate) const fn info<B: Bundle>(stage: Stage) -> HandlerInfo {
         stage,
         traits: B::TRAITS.0,
         creates_state: None,
-        keeps_stage_state: <B::Platform as Platform>::KEEPS_STAGE_STATE,
+        keeps_stage_state: keeps_stage_state::<B>(),
     }
+}
+
+/// Whether XLA keeps prepare- and initialize-stage states for `B`'s calls: on a platform that
+/// has them, and not for a command-buffer-compatible bundle, whose calls XLA:GPU may record
+/// into a command buffer with no stage states at all (its `State_Get` there dereferences null).
+const fn keeps_stage_state<B: Bundle>() -> bool {
+    <B::Platform as Platform>::KEEPS_STAGE_STATE
+        && B::TRAITS.0 & Traits::COMMAND_BUFFER_COMPATIBLE.0 == 0
 }
 
 unsafe extern "C" fn instantiate_entry<B: Instantiate>(
@@ -325,12 +333,14 @@ impl<B: Prepare> BundleBuilder<B> {
     }
 
     /// Declares `T` as the state the prepare stage stores ([`Context::set_stage_state`]), so
-    /// that it is registered with XLA with the bundle. Only on platforms whose XLA keeps such
-    /// states (not XLA:CPU): a compile error for a `const` declaration elsewhere.
+    /// that it is registered with XLA with the bundle. Only where XLA keeps such states: not
+    /// on XLA:CPU, not for a [`Traits::COMMAND_BUFFER_COMPATIBLE`] bundle (a compile error for
+    /// a `const` declaration).
     pub const fn prepare_state<T: StateType>(mut self) -> Self {
         assert!(
-            <B::Platform as Platform>::KEEPS_STAGE_STATE,
-            "XLA:CPU runs no prepare stage and keeps no prepare-stage state"
+            keeps_stage_state::<B>(),
+            "XLA keeps no prepare-stage state for this bundle: XLA:CPU runs no prepare stage, \
+             and XLA:GPU keeps none for a command-buffer-compatible bundle"
         );
         self.stage_types.prepare = Some(T::registration);
         self
@@ -348,8 +358,9 @@ impl<B: Initialize> BundleBuilder<B> {
     /// [`BundleBuilder::prepare_state`] does for the prepare stage.
     pub const fn initialize_state<T: StateType>(mut self) -> Self {
         assert!(
-            <B::Platform as Platform>::KEEPS_STAGE_STATE,
-            "XLA:CPU runs no initialize stage and keeps no initialize-stage state"
+            keeps_stage_state::<B>(),
+            "XLA keeps no initialize-stage state for this bundle: XLA:CPU runs no initialize stage, \
+             and XLA:GPU keeps none for a command-buffer-compatible bundle"
         );
         self.stage_types.initialize = Some(T::registration);
         self

@@ -115,14 +115,16 @@ impl<'a> Context<'a> {
     }
 
     /// Why a prepare- or initialize-stage state of `stage` cannot be used from this call, if it
-    /// cannot: XLA keeps one per stage and per execution on device platforms only (on XLA:CPU
-    /// the call would dereference a null pointer), and none for the execute stage.
+    /// cannot: XLA keeps one per stage and per execution on device platforms only, and not for
+    /// calls it may record into a command buffer (in both cases its call would dereference a
+    /// null pointer), and none for the execute stage.
     fn check_stage_state(&self, stage: Stage, what: &str) -> FfiResult<()> {
         if !self.keeps_stage_state {
             return Err(FfiError::failed_precondition(format!(
-                "cannot {what} the {stage}-stage state: XLA:CPU runs no prepare or initialize \
-                 stage and keeps no state for them (keep per-call-site data in the instantiate \
-                 state)"
+                "cannot {what} the {stage}-stage state: XLA keeps none for this bundle (XLA:CPU \
+                 runs no prepare or initialize stage; XLA:GPU keeps none for a \
+                 command-buffer-compatible bundle); keep per-call-site data in the instantiate \
+                 state"
             )));
         }
         if !matches!(stage, Stage::Prepare | Stage::Initialize) {

@@ -21,9 +21,9 @@ pub struct HandlerInfo {
     pub traits: sys::XLA_FFI_Handler_Traits,
     /// The state type this handler creates (instantiate stages of stateful bundles).
     pub creates_state: Option<&'static StateTypeRegistration>,
-    /// Whether the bundle's platform keeps prepare- and initialize-stage state
-    /// ([`super::platform::Platform::KEEPS_STAGE_STATE`]); the context refuses those states
-    /// where it does not.
+    /// Whether XLA keeps prepare- and initialize-stage state for the bundle's calls (its
+    /// platform has them, [`super::platform::Platform::KEEPS_STAGE_STATE`], and it is not
+    /// command-buffer compatible); the context refuses those states where it does not.
     pub keeps_stage_state: bool,
 }
 

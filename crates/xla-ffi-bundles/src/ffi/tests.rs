@@ -1983,10 +1983,39 @@ fn a_host_bundle_gets_no_stage_state() {
     let (code, message) = run_stage(&ctx, &HOST_STAGE_STATE, Stage::Execute, &[]).unwrap_err();
     assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
     assert!(
-        message.contains("host_stage_state: [execute] cannot get the prepare-stage state: XLA:CPU"),
+        message.contains(
+            "host_stage_state: [execute] cannot get the prepare-stage state: XLA keeps none for \
+             this bundle (XLA:CPU"
+        ),
+        "{message}"
+    );
+    // Nor does XLA:GPU for a bundle it may record into a command buffer.
+    let (code, message) = run_stage(&ctx, &GRAPH_STAGE_STATE, Stage::Execute, &[]).unwrap_err();
+    assert_eq!(code, ErrorCode::FailedPrecondition, "{message}");
+    assert!(
+        message.contains("graph_stage_state: [execute] cannot get the prepare-stage state"),
         "{message}"
     );
 }
+
+/// A CUDA bundle that XLA may record into a command buffer, where it passes no stage states.
+struct GraphStageState;
+impl Bundle for GraphStageState {
+    const TARGET: &'static str = "graph_stage_state";
+    const TRAITS: Traits = Traits::COMMAND_BUFFER_COMPATIBLE;
+    type Platform = Cuda;
+    type State = NoState;
+}
+impl Execute for GraphStageState {
+    type Args<'a> = ();
+    type Rets<'a> = ();
+    type Attrs<'a> = ();
+    fn execute(_: &NoState, ctx: &Context<'_>, _: (), _: (), _: ()) -> FfiResult<()> {
+        ctx.stage_state::<PrepareScratch>(Stage::Prepare)
+            .map(|_| ())
+    }
+}
+const GRAPH_STAGE_STATE: BundleDef = BundleDef::of::<GraphStageState>().execute().build();
 
 #[test]
 fn declared_stage_types_are_registered_with_the_bundle() {
