@@ -1380,3 +1380,93 @@ fn split_attributes_are_checked() {
     );
     assert!(e.contains("given the forward's mean and rstd"), "{e}");
 }
+
+#[test]
+fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
+    // `layer::forward_rows` takes narrow rows (up to 256) in batches whose statistics run side
+    // by side, the rest row by row: every path gives `layer::forward_row`'s bits for y, the
+    // mean and rstd. Cases: tails and rests after whole batches, a weight row per few rows,
+    // rows just past the narrow ones, rows of large mean (the centred sums matter there).
+    fn check<T: Element, A: Accum + Element>(n: usize, rows: usize, groups: usize) {
+        let mut xs = values(n * rows, 31);
+        for (at, v) in [(2, f32::NAN), (n + 1, f32::INFINITY)] {
+            if let Some(slot) = xs.get_mut(at) {
+                *slot = v;
+            }
+        }
+        for v in xs.iter_mut().skip(3 * n).take(n) {
+            *v += 1e4;
+        }
+        let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
+        let w: Vec<A> = values(n * groups, 32)
+            .into_iter()
+            .map(|v| <A as Accum>::from_f32(v + 2.5))
+            .collect();
+        let b: Vec<A> = values(n * groups, 33)
+            .into_iter()
+            .map(<A as Accum>::from_f32)
+            .collect();
+        let per_group = rows.div_ceil(groups);
+        let eps = <A as Accum>::from_f32(1e-5);
+        let w_of = |i: usize| Some(&w[(i / per_group) * n..][..n]);
+        let b_of = |i: usize| Some(&b[(i / per_group) * n..][..n]);
+        let mut want_y = vec![T::default(); n * rows];
+        let mut want = Vec::new();
+        Kernel::Scalar.run(|| {
+            for (i, y) in want_y.chunks_exact_mut(n).enumerate() {
+                want.push(layer::forward_row::<T, A, A>(
+                    &x[i * n..][..n],
+                    w_of(i),
+                    b_of(i),
+                    eps,
+                    y,
+                ));
+            }
+        });
+        let stat_bits = |v: &[A]| {
+            v.iter()
+                .map(|a| Accum::to_f64(*a).to_bits())
+                .collect::<Vec<_>>()
+        };
+        let want_mean: Vec<A> = want.iter().map(|s| s.mean).collect();
+        let want_rstd: Vec<A> = want.iter().map(|s| s.rstd).collect();
+        for kernel in Kernel::available() {
+            let (mut y, mut mean, mut rstd) = (
+                vec![T::default(); n * rows],
+                vec![A::ZERO; rows],
+                vec![A::ZERO; rows],
+            );
+            kernel.run(|| {
+                layer::forward_rows::<T, A, A>(
+                    &x,
+                    n,
+                    w_of,
+                    b_of,
+                    eps,
+                    None,
+                    &mut y,
+                    Some(&mut mean),
+                    &mut rstd,
+                )
+            });
+            let what = format!("{kernel:?} n={n} rows={rows} groups={groups}");
+            assert_eq!(nan_bits(&y), nan_bits(&want_y), "y {what}");
+            assert_eq!(stat_bits(&mean), stat_bits(&want_mean), "mean {what}");
+            assert_eq!(stat_bits(&rstd), stat_bits(&want_rstd), "rstd {what}");
+        }
+    }
+    for (n, rows, groups) in [
+        (7, 19, 2),
+        (64, 24, 24),
+        (64, 11, 1),
+        (200, 9, 9),
+        (256, 17, 2),
+        (257, 9, 1),
+        (1, 8, 1),
+    ] {
+        check::<f32, f32>(n, rows, groups);
+        check::<bf16, f32>(n, rows, groups);
+        check::<f16, f32>(n, rows, groups);
+        check::<f64, f64>(n, rows, groups);
+    }
+}
