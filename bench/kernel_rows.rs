@@ -12,8 +12,8 @@
 use std::time::Instant;
 
 use half::{bf16, f16};
-use rmsnorm_ffi::handlers::cpu::{backward_chunk, forward_chunk, simd::Kernel};
-use rmsnorm_ffi::handlers::math::{Element, Rstd};
+use rmsnorm_ffi::handlers::cpu::{backward_chunk, forward_chunk, simd::Kernel, widen::CpuElement};
+use rmsnorm_ffi::handlers::math::Rstd;
 
 fn median_ns_per_row(rows: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -53,7 +53,7 @@ fn main() {
     }
 }
 
-fn rows_of<T: Element>(args: &[String], dtype: &str) {
+fn rows_of<T: CpuElement>(args: &[String], dtype: &str) {
     let shapes: Vec<(usize, usize)> = if args.is_empty() {
         vec![
             (1408, 64),

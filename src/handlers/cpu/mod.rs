@@ -14,6 +14,7 @@
 pub mod avx512;
 pub mod plan;
 pub mod simd;
+pub mod widen;
 
 use half::{bf16, f16};
 
@@ -33,6 +34,7 @@ use super::operands::{
 use super::operands::{BackwardAttrs, ForwardAttrs};
 use plan::{Plan, FORWARD_CHUNK_ELEMENTS, MAX_BACKWARD_CHUNKS};
 use simd::Kernel;
+use widen::CpuElement;
 use xla_ffi_bundles::ffi::parallel::{DisjointChunks, ParallelJobs, MAX_CHUNKS};
 use xla_ffi_bundles::ffi::{
     AnyBuffer, AnyResult, ArgsView, Bundle, BundleDef, Context, Execute, FfiError, FfiResult, Host,
@@ -110,7 +112,7 @@ struct OffsetWeights {
 const OFFSET_POOL_CAPACITY: usize = 64;
 
 /// What the CPU bundles keep per accumulation dtype.
-trait CpuAccum: Accum + Element {
+trait CpuAccum: Accum + CpuElement {
     fn offset_pool(pools: &OffsetWeights) -> &OnceCell<WorkspacePool<Self>>;
     fn partials(state: &BackwardState) -> &WorkspacePool<Self::Wide>;
 }
@@ -162,13 +164,16 @@ fn weight_rows<'p, W: Element, A: CpuAccum>(
 /// weight the kernels read) and `A` (the accumulation dtype): one arm per pair, exhaustive, so a
 /// dtype added to the contract does not compile until it has a line here.
 ///
-/// The kernels are built for a weight of x's dtype or of the accumulation dtype (`K`): six
-/// (x, weight) instances, not sixteen. Any other weight is converted to `A` once per call into a
-/// pooled row (`weight_rows`), as a scale offset is: the values every kernel would take from
-/// `A::load` of each element, so the same bits, for a pass over the weight's n elements. All
-/// sixteen in the kernels took 2.3x the compile time of every build of this crate (the debug
-/// tests, the release extension, AddressSanitizer's), about 25 minutes of `make test` on 2
-/// cores.
+/// The kernels are built for a weight of the accumulation dtype (`K`), and of x's dtype for
+/// bfloat16 (whose conversion is a shift): five (x, weight) instances, not sixteen. Any other
+/// weight is converted to `A` once per call into a pooled row (`weight_rows`), as a scale
+/// offset is: the values every kernel would take from `A::load` of each element, so the same
+/// bits, for a pass over the weight's n elements. All sixteen in the kernels took 2.3x the
+/// compile time of every build of this crate (the debug tests, the release extension,
+/// AddressSanitizer's), about 25 minutes of `make test` on 2 cores. A float16 weight is
+/// converted too: float16 rows run through float32's kernels (`widen`), where a float16 weight
+/// read in integer conversions for every row took the float16 forward from 0.6 to 1.2 ms at
+/// 8192x64 (AVX2).
 macro_rules! with_pair_types {
     ($pair:expr, |$t:ident, $w:ident, $k:ident, $a:ident| $body:expr) => {{
         macro_rules! bind {
@@ -194,7 +199,7 @@ macro_rules! with_pair_types {
             (Float::BF16, Float::F32) => bind!(bf16, f32, f32, f32),
             (Float::BF16, Float::F64) => bind!(bf16, f64, f32, f32),
             (Float::BF16, Float::F16) => bind!(bf16, f16, f32, f32),
-            (Float::F16, Float::F16) => bind!(f16, f16, f16, f32),
+            (Float::F16, Float::F16) => bind!(f16, f16, f32, f32),
             (Float::F16, Float::F32) => bind!(f16, f32, f32, f32),
             (Float::F16, Float::F64) => bind!(f16, f64, f32, f32),
             (Float::F16, Float::BF16) => bind!(f16, bf16, f32, f32),
@@ -456,7 +461,7 @@ fn forward_dispatch(
 /// are fastest for this instruction set and these types (all bit-identical). Runs inside
 /// `kernel.run`.
 #[inline(always)]
-pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
+pub fn forward_chunk<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuElement>(
     kernel: Kernel,
     x: &[T],
     n: usize,
@@ -470,6 +475,10 @@ pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
         if avx512::forward_rows::<T, W, A>(v4, x, n, w_of, eps, y, rstd) {
             return;
         }
+    }
+    // float16 through float32's loops where F16C converts it (bit-identical: `widen`).
+    if T::forward_widened::<W, A>(kernel, x, n, w_of, eps, y, rstd) {
+        return;
     }
     // Narrow rows in batches whose totals run side by side, the rest as below (all
     // bit-identical).
@@ -492,6 +501,35 @@ pub fn forward_chunk<'w, T: Element, W: Element + 'w, A: Accum>(
             .enumerate()
         {
             *r = forward_row::<T, W, A>(x_row, w_of(i), eps, y_row);
+        }
+    }
+}
+
+/// LayerNorm's forward over one chunk's consecutive rows of `n` (`layer::forward_rows`), float16
+/// through float32's loops where F16C converts it (bit-identical: `widen`). Runs inside
+/// `kernel.run`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn layer_forward_chunk<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    b_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+    split: Option<SplitRows<'_, A>>,
+    y: &mut [T],
+    mean: Option<&mut [A]>,
+    rstd: &mut [A],
+) {
+    match (split, mean) {
+        (None, Some(mean)) => {
+            if !T::layer_forward_widened::<W, A>(kernel, x, n, w_of, b_of, eps, y, mean, rstd) {
+                layer::forward_rows::<T, W, A>(x, n, w_of, b_of, eps, None, y, Some(mean), rstd)
+            }
+        }
+        (split, mean) => {
+            layer::forward_rows::<T, W, A>(x, n, w_of, b_of, eps, split, y, mean, rstd)
         }
     }
 }
@@ -555,7 +593,7 @@ impl ForwardCall<'_, '_, '_> {
     /// kernels are not built for (`K` is not `W`), the weight converted to `offset + w` or `w`
     /// in `A` first (the kernels then read it as an `A` weight). LayerNorm's weight and bias
     /// are always converted (its loops are built for `A` weights only).
-    fn typed<T: Element, W: Element, K: Element, A: CpuAccum>(
+    fn typed<T: CpuElement, W: Element, K: Element, A: CpuAccum>(
         &self,
         x: AnyBuffer<'_>,
         (w, b): (Option<AnyBuffer<'_>>, Option<AnyBuffer<'_>>),
@@ -618,7 +656,7 @@ impl ForwardCall<'_, '_, '_> {
         }
     }
 
-    fn run<T: Element, W: Element, A: Accum>(
+    fn run<T: CpuElement, W: Element, A: CpuAccum>(
         &self,
         x: &[T],
         (w, b): (Option<&[W]>, Option<&[W]>),
@@ -647,7 +685,7 @@ impl ForwardCall<'_, '_, '_> {
             Some((r, h)) => (Some(r), Some(DisjointChunks::new(h, element_bounds)?)),
             None => (None, None),
         };
-        let eps = A::from_f32(self.state.eps);
+        let eps = <A as Accum>::from_f32(self.state.eps);
         let per_group = self.layout.rows_per_group().max(1);
         let kernel = self.state.kernel;
         let body = |c: usize| {
@@ -688,8 +726,8 @@ impl ForwardCall<'_, '_, '_> {
                     let w_of = |i: usize| w.map(|w| &w[row(i)]);
                     if mean.is_some() || split.is_some() {
                         let b_of = |i: usize| b.map(|b| &b[row(i)]);
-                        layer::forward_rows::<T, W, A>(
-                            x_rows, n, w_of, b_of, eps, split, y, mean, rstd,
+                        layer_forward_chunk::<T, W, A>(
+                            kernel, x_rows, n, w_of, b_of, eps, split, y, mean, rstd,
                         )
                     } else {
                         forward_chunk::<T, W, A>(kernel, x_rows, n, w_of, eps, y, rstd)
@@ -763,12 +801,12 @@ struct BackwardInputs<'a, T, W, A> {
     moments: Option<Moments<'a, A>>,
 }
 
-/// Elements of a half-precision backward with dh widened at a time (on the stack, three arrays
-/// in the accumulation dtype: 24 KB for float32): rows up to this long go through the
-/// accumulation dtype's kernels (see [`BackwardInputs::widened`]), longer ones row by row.
-const WIDE_BLOCK: usize = 2048;
+/// The longest rows a half-precision backward widens (see [`BackwardInputs::widened`]: two
+/// rows at a time at least, on the stack, three arrays in the accumulation dtype: 48 KB for
+/// float32); longer ones run as they are.
+use widen::WIDE_BLOCK;
 
-impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
+impl<T: CpuElement, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
     /// Rows `first..` (as many as `dx_rows` holds) on `kernel`, with dh added to dx where the
     /// call has it, rounded once.
     #[inline(always)]
@@ -779,16 +817,27 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         dx_rows: &mut [T],
         acc: Option<&mut [A::Wide]>,
     ) {
+        // float16 through float32's loops where F16C converts it (`widen`), but the RMS
+        // norm's on AVX-512, whose explicit loops convert it themselves; split rows as they are.
+        let f16c = T::backward_widens(kernel, self.n)
+            && match self.moments {
+                Some(moments) => !matches!(moments, Moments::Split(_)),
+                None => !kernel.has_avx512(),
+            };
         if let Some(moments) = self.moments {
+            if f16c {
+                return self.widened(kernel, first, dx_rows, acc);
+            }
             return kernel.run(
                 #[inline(always)]
                 || self.layer_rows(moments, first, dx_rows, acc),
             );
         }
         match self.dh {
-            Some(dh) if !same_type::<T, A>() && self.n <= WIDE_BLOCK => {
-                self.widened(kernel, dh, first, dx_rows, acc)
+            Some(_) if !same_type::<T, A>() && self.n <= WIDE_BLOCK => {
+                self.widened(kernel, first, dx_rows, acc)
             }
+            None if f16c => self.widened(kernel, first, dx_rows, acc),
             _ => kernel.run(
                 #[inline(always)]
                 || self.rows_from(first, dx_rows, acc),
@@ -796,17 +845,17 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         }
     }
 
-    /// Half precision with dh: blocks of rows widened to `A` on the stack and run through the
-    /// kernels of an `A` x (whose dx is the unrounded norm gradient), then dx = round(that +
-    /// dh), one rounding. Row by row (`math::backward_row_adding`) took 1.4-1.6x the time of
-    /// the plain backward and a separate add at rows of 64-128. The `A` kernels run in their
-    /// own frame (`run_rows` of `A`, the instance an `A` x uses): inlined beside this x's they
-    /// would double an unoptimized build's frame, past a test thread's 2 MiB stack.
+    /// Blocks of rows widened to `A` on the stack and run through the kernels of an `A` x
+    /// (whose dx is the unrounded norm gradient), then dx = round(that + dh), one rounding:
+    /// half precision with dh (row by row, `math::backward_row_adding`, took 1.4-1.6x the time
+    /// of the plain backward and a separate add at rows of 64-128), and float16 where F16C
+    /// converts it (`widen`). The `A` kernels run in their own frame (`run_rows` of `A`, the
+    /// instance an `A` x uses): inlined beside this x's they would double an unoptimized
+    /// build's frame, past a test thread's 2 MiB stack.
     #[inline(never)]
     fn widened(
         &self,
         kernel: Kernel,
-        dh: &[T],
         first: usize,
         dx_rows: &mut [T],
         mut acc: Option<&mut [A::Wide]>,
@@ -815,14 +864,13 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         if n == 0 {
             return;
         }
-        // Even blocks where they can be: the kernels take rows two at a time.
-        let per_block = match WIDE_BLOCK / n {
-            0 | 1 => 1,
-            rows => rows & !1,
-        };
-        let mut x = [A::ZERO; WIDE_BLOCK];
-        let mut dy = [A::ZERO; WIDE_BLOCK];
-        let mut dx = [A::ZERO; WIDE_BLOCK];
+        // Blocks of an even number of rows (two at least): the kernels take rows in pairs whose
+        // weight-gradient terms are summed before they join the accumulator, so a block must
+        // not cut a pair.
+        let per_block = (2 * WIDE_BLOCK / n) & !1;
+        let mut x = [A::ZERO; 2 * WIDE_BLOCK];
+        let mut dy = [A::ZERO; 2 * WIDE_BLOCK];
+        let mut dx = [A::ZERO; 2 * WIDE_BLOCK];
         let count = dx_rows.len() / n;
         let mut done = 0;
         while done < count {
@@ -836,12 +884,8 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
             kernel.run(
                 #[inline(always)]
                 || {
-                    for (o, &v) in x[..len].iter_mut().zip(&self.x[span.clone()]) {
-                        *o = A::load(v);
-                    }
-                    for (o, &v) in dy[..len].iter_mut().zip(&self.dy[span.clone()]) {
-                        *o = A::load(v);
-                    }
+                    widen::load_slice(kernel, &self.x[span.clone()], &mut x[..len]);
+                    widen::load_slice(kernel, &self.dy[span.clone()], &mut dy[..len]);
                 },
             );
             let group = row / self.rows_per_group;
@@ -854,16 +898,22 @@ impl<T: Element, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
                 n,
                 rows_per_group: rows,
                 kernel: self.kernel,
-                moments: None,
+                moments: self.moments.map(|m| m.from_row(row)),
             };
             wide.run_rows(kernel, 0, &mut dx[..len], acc.as_deref_mut());
             let out = &mut dx_rows[done * n..][..len];
             kernel.run(
                 #[inline(always)]
                 || {
-                    for ((o, &g), &h) in out.iter_mut().zip(&dx[..len]).zip(&dh[span]) {
-                        *o = (g + A::load(h)).store();
+                    if let Some(dh) = self.dh {
+                        // dy's block is free now: dh widened into it, added before the one
+                        // rounding.
+                        widen::load_slice(kernel, &dh[span], &mut dy[..len]);
+                        for (g, &h) in dx[..len].iter_mut().zip(&dy[..len]) {
+                            *g = *g + h;
+                        }
                     }
+                    widen::store_slice(kernel, &dx[..len], out);
                 },
             );
             done += rows;
@@ -1027,7 +1077,7 @@ impl BackwardCall<'_, '_, '_> {
     /// The call's buffers as slices of its pair's types, the weight converted to
     /// `offset + w` or `w` in `A` for a scale offset or a weight the kernels are not built for
     /// (as the forward's); the gradient is still `w`'s, in `W`.
-    fn typed<T: Element, W: Element, K: Element, A: CpuAccum>(
+    fn typed<T: CpuElement, W: Element, K: Element, A: CpuAccum>(
         &self,
         ops: BackwardOperands<'_, '_, Host>,
     ) -> FfiResult<()> {
@@ -1108,7 +1158,7 @@ impl BackwardCall<'_, '_, '_> {
         }
     }
 
-    fn run<T: Element, W: Element, A: CpuAccum, D: Element>(
+    fn run<T: CpuElement, W: Element, A: CpuAccum, D: Element>(
         &self,
         slices: BackwardSlices<'_, T, W, A, D>,
         partials: &WorkspacePool<A::Wide>,

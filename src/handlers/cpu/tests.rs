@@ -4,6 +4,7 @@
 use half::{bf16, f16};
 
 use super::simd::Kernel;
+use super::widen::{load_slice, store_slice};
 use super::*;
 use crate::handlers::math;
 use xla_ffi_bundles::ffi::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
@@ -630,7 +631,11 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
     // 140000), groups whose rows share a weight row and groups that straddle two (a batched
     // weight), a last block of an odd number of 16-lane chunks, columns past the last 32 (16 of
     // them, and a scalar tail).
-    fn check<T: Element, W: Element, A: Accum>(n: usize, rows: usize, groups: usize) {
+    fn check<T: CpuElement, W: Element, A: Accum + CpuElement>(
+        n: usize,
+        rows: usize,
+        groups: usize,
+    ) {
         let mut xs = values(n * rows, 11);
         // Non-finite and overflowing values, in the first tile and the last.
         for (at, v) in [(3, f32::NAN), (n + 5, f32::INFINITY), (2 * n + 1, 3e38)] {
@@ -647,7 +652,7 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
             .map(|v| W::from_f32(v + 2.5))
             .collect();
         let per_group = rows.div_ceil(groups);
-        let eps = A::from_f32(1e-5);
+        let eps = <A as Accum>::from_f32(1e-5);
         for weighted in [true, false] {
             let w_of = |i: usize| weighted.then(|| &w[(i / per_group) * n..][..n]);
             let (mut want_y, mut want_r) = (vec![T::default(); n * rows], vec![A::ZERO; rows]);
@@ -665,7 +670,11 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
                     .zip(bits(&want_y))
                     .position(|(a, b)| *a != b);
                 assert_eq!(first_diff, None, "y {what}");
-                let rbits = |r: &[A]| r.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                let rbits = |r: &[A]| {
+                    r.iter()
+                        .map(|v| Accum::to_f64(*v).to_bits())
+                        .collect::<Vec<_>>()
+                };
                 assert_eq!(rbits(&r), rbits(&want_r), "rstd {what}");
             }
         }
@@ -718,7 +727,7 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
     // `BackwardInputs::rows_from` takes the explicit AVX-512 loops where they apply (two rows'
     // dot products at once, then column tiles over groups of rows), the two-rows loop or row
     // by row elsewhere: every path gives row by row's bits for dx and the weight gradient.
-    fn check<T: Element, W: Element>(n: usize, rows: usize) {
+    fn check<T: CpuElement, W: Element>(n: usize, rows: usize) {
         let mut xs = values(n * rows, 21);
         for (at, v) in [(n + 2, f32::NAN), (2 * n + 3, f32::INFINITY), (3, 3e38)] {
             if let Some(slot) = xs.get_mut(at) {
@@ -768,7 +777,7 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                         moments: None,
                     };
                     let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
-                    kernel.run(|| inputs.rows_from(0, &mut dx, Some(&mut acc)));
+                    inputs.run_rows(kernel, 0, &mut dx, Some(&mut acc));
                     let what = format!("{kernel:?} n={n} rows={rows} rstd {form}");
                     let first_diff = nan_bits(&dx)
                         .iter()
@@ -1384,10 +1393,12 @@ fn split_attributes_are_checked() {
 #[test]
 fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
     // `layer::forward_rows` takes narrow rows (up to 256) in batches whose statistics run side
-    // by side, the rest row by row: every path gives `layer::forward_row`'s bits for y, the
-    // mean and rstd. Cases: tails and rests after whole batches, a weight row per few rows,
-    // rows just past the narrow ones, rows of large mean (the centred sums matter there).
-    fn check<T: Element, A: Accum + Element>(n: usize, rows: usize, groups: usize) {
+    // by side, the rest row by row, and float16 rows (up to 2048) go through float32's loops
+    // where F16C converts them (`layer_forward_chunk`): every path gives
+    // `layer::forward_row`'s bits for y, the mean and rstd. Cases: tails and rests after whole
+    // batches, a weight row per few rows, rows just past the narrow ones, rows of large mean
+    // (the centred sums matter there), blocks of float16 rows whole and cut (2048 and 2049).
+    fn check<T: CpuElement, A: Accum + CpuElement>(n: usize, rows: usize, groups: usize) {
         let mut xs = values(n * rows, 31);
         for (at, v) in [(2, f32::NAN), (n + 1, f32::INFINITY)] {
             if let Some(slot) = xs.get_mut(at) {
@@ -1437,7 +1448,8 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
                 vec![A::ZERO; rows],
             );
             kernel.run(|| {
-                layer::forward_rows::<T, A, A>(
+                layer_forward_chunk::<T, A, A>(
+                    kernel,
                     &x,
                     n,
                     w_of,
@@ -1463,10 +1475,156 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         (256, 17, 2),
         (257, 9, 1),
         (1, 8, 1),
+        (1000, 5, 2),
+        (2048, 3, 1),
+        (2049, 2, 1),
     ] {
         check::<f32, f32>(n, rows, groups);
         check::<bf16, f32>(n, rows, groups);
         check::<f16, f32>(n, rows, groups);
         check::<f64, f64>(n, rows, groups);
+    }
+}
+
+#[test]
+fn layer_norm_backward_matches_the_scalar_path_on_every_instruction_set() {
+    // `BackwardInputs::run_rows` with LayerNorm's statistics: float16 rows (up to 2048) go
+    // through float32's loops where F16C converts them, dh added before dx's one rounding;
+    // every path gives the scalar path's bits for dx and the weight's and bias's gradient sums,
+    // statistics given (the forward's) or taken from x.
+    fn check<T: CpuElement>(n: usize, rows: usize) {
+        let mut xs = values(n * rows, 41);
+        for (at, v) in [(n + 2, f32::NAN), (3, 3e4)] {
+            if let Some(slot) = xs.get_mut(at) {
+                *slot = v;
+            }
+        }
+        for v in xs.iter_mut().skip(2 * n).take(n) {
+            *v += 1e3;
+        }
+        let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
+        let dy: Vec<T> = values(n * rows, 42).into_iter().map(T::from_f32).collect();
+        let dh: Vec<T> = values(n * rows, 43).into_iter().map(T::from_f32).collect();
+        let w: Vec<f32> = values(n, 44).into_iter().map(|v| v + 2.5).collect();
+        let eps = 1e-5f32;
+        let (mut y, mut mean, mut rstd) = (
+            vec![T::default(); n * rows],
+            vec![0f32; rows],
+            vec![0f32; rows],
+        );
+        Kernel::Scalar.run(|| {
+            layer::forward_rows::<T, f32, f32>(
+                &x,
+                n,
+                |_| Some(&w[..]),
+                |_| None,
+                eps,
+                None,
+                &mut y,
+                Some(&mut mean),
+                &mut rstd,
+            )
+        });
+        let start_acc: Vec<f64> = (0..2 * n).map(|j| j as f64 * 0.125).collect();
+        let given = Moments::Given {
+            mean: &mean,
+            rstd: &rstd,
+        };
+        for moments in [given, Moments::FromX(eps)] {
+            for with_dh in [false, true] {
+                let run = |kernel: Kernel| {
+                    let inputs = BackwardInputs {
+                        x: &x,
+                        dy: &dy,
+                        rstd: math::Rstd::FromX(eps),
+                        w: Some(&w[..]),
+                        dh: with_dh.then_some(&dh[..]),
+                        n,
+                        rows_per_group: rows,
+                        kernel,
+                        moments: Some(moments),
+                    };
+                    let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+                    inputs.run_rows(kernel, 0, &mut dx, Some(&mut acc));
+                    (nan_bits(&dx), nan_bits(&acc))
+                };
+                let want = run(Kernel::Scalar);
+                for kernel in Kernel::available() {
+                    let what = format!(
+                        "{kernel:?} n={n} rows={rows} dh={with_dh} given={}",
+                        matches!(moments, Moments::Given { .. })
+                    );
+                    let (dx, acc) = run(kernel);
+                    let first_diff = dx.iter().zip(&want.0).position(|(a, b)| a != b);
+                    assert_eq!(first_diff, None, "dx {what}");
+                    assert_eq!(acc, want.1, "gradient sums {what}");
+                }
+            }
+        }
+    }
+    for (n, rows) in [
+        (1, 3),
+        (7, 19),
+        (64, 40),
+        (200, 9),
+        (1000, 5),
+        (2048, 3),
+        (2049, 2),
+    ] {
+        check::<f32>(n, rows);
+        check::<bf16>(n, rows);
+        check::<f16>(n, rows);
+    }
+}
+
+#[test]
+fn f16c_slice_conversions_match_the_portable_ones() {
+    // `widen::load_slice`/`store_slice` convert float16 with F16C (through `half`) in the x86
+    // contexts, element by element elsewhere: the same bits as `math`'s integer conversions
+    // (which `math`'s tests hold to `half`'s), every half widened, floats at every boundary of
+    // the half range and a spread narrowed, in slices of every length up to 17 (the
+    // conversions' remainders) and one long one.
+    let halves: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let mut floats: Vec<f32> = Vec::new();
+    for h in &halves {
+        let f = h.to_f32().to_bits() as i64;
+        for d in [-0x1001i64, -0x1000, -1, 1, 0x1000, 0x1001] {
+            floats.push(f32::from_bits((f + d) as u32));
+        }
+    }
+    floats.extend((0..1u32 << 18).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
+    let want_wide: Vec<u32> = halves
+        .iter()
+        .map(|&h| Element::to_f32(h).to_bits())
+        .collect();
+    let want_narrow: Vec<u16> = floats
+        .iter()
+        .map(|&v| <f16 as Element>::from_f32(v).to_bits())
+        .collect();
+    for kernel in Kernel::available() {
+        let mut lengths: Vec<usize> = (1..=17).collect();
+        lengths.push(halves.len());
+        for len in lengths {
+            let mut wide = vec![0f32; halves.len()];
+            for (src, dst) in halves.chunks(len).zip(wide.chunks_mut(len)) {
+                kernel.run(|| load_slice(kernel, src, dst));
+            }
+            let got: Vec<u32> = wide.iter().map(|v| v.to_bits()).collect();
+            let first_diff = got.iter().zip(&want_wide).position(|(a, b)| a != b);
+            assert_eq!(first_diff, None, "{kernel:?} widened in slices of {len}");
+            let mut narrow = vec![f16::ZERO; floats.len()];
+            for (src, dst) in floats.chunks(len).zip(narrow.chunks_mut(len)) {
+                kernel.run(|| store_slice(kernel, src, dst));
+            }
+            let first_diff = narrow
+                .iter()
+                .zip(&want_narrow)
+                .position(|(a, b)| a.to_bits() != *b);
+            assert_eq!(
+                first_diff.map(|i| floats[i].to_bits()),
+                None,
+                "{kernel:?} narrowed in slices of {len}"
+            );
+        }
     }
 }
