@@ -549,14 +549,27 @@ fn squares<T: Element, A: Accum>(x: &[T]) -> RowSum {
     let mut sum = RowSum::new();
     let (chunks, tail) = x.as_chunks::<LANES>();
     for block in chunks.chunks(BLOCK_CHUNKS) {
-        let mut acc = [A::ZERO; LANES];
-        for c in block {
-            acc = add_squares(acc, c);
-        }
-        sum.add(&acc);
+        add_square_block::<T, A>(&mut sum, block);
     }
     sum.add(&tail_squares::<T, A>(tail));
     sum
+}
+
+/// One block of a row's sum of squares (at most [`BLOCK_CHUNKS`] chunks) added to `sum`, as
+/// [`squares`] adds each (which never adds an empty one: nor does this). For rows summed a
+/// piece at a time (`cpu::widen`): pieces of [`SUM_BLOCK`] elements from the row's start, the
+/// row's tail ([`tail_squares`]) last, give [`squares`]'s bits.
+#[inline(always)]
+pub fn add_square_block<T: Element, A: Accum>(sum: &mut RowSum, block: &[[T; LANES]]) {
+    debug_assert!(block.len() <= BLOCK_CHUNKS);
+    if block.is_empty() {
+        return;
+    }
+    let mut acc = [A::ZERO; LANES];
+    for c in block {
+        acc = add_squares(acc, c);
+    }
+    sum.add(&acc);
 }
 
 /// Rows per batch of [`forward_narrow`]: their totals run side by side.
@@ -761,9 +774,14 @@ pub fn add_into<T: Element, A: Accum>(x: &[T], residual: &[T], h: &mut [T]) {
     }
 }
 
-/// `y = x * r * w` (or `x * r`) for one row.
+/// `y = x * r * w` (or `x * r`) for one row, or any piece of one.
 #[inline(always)]
-fn forward_scale<T: Element, W: Element, A: Accum>(x: &[T], w: Option<&[W]>, r: A, y: &mut [T]) {
+pub fn forward_scale<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    r: A,
+    y: &mut [T],
+) {
     // In LANES-wide chunks, then the tail: element by element, the half-precision conversions
     // stayed scalar (every row of `forward_narrow`'s batches is scaled here). Each chunk is
     // built in a local array and stored whole: written lane by lane into `y`, whose slice LLVM

@@ -10,8 +10,10 @@
 //! `cpu::tests`, with planted faults); `half`'s conversions are `math`'s integer ones bit for
 //! bit (every half, and floats at every rounding boundary, `cpu::tests`).
 //!
-//! The scalar context keeps the integer conversions (the reference the others are tested
-//! against), as do rows longer than [`WIDE_BLOCK`] and split rows. The RMS norm's explicit
+//! The RMS norm's forward widens longer rows too, row by row, a piece at a time
+//! (`forward_long_rows`). The scalar context keeps the integer conversions (the reference the
+//! others are tested against), as do the backward of rows longer than [`WIDE_BLOCK`],
+//! LayerNorm's forward there, and split rows. The RMS norm's explicit
 //! AVX-512 loops convert float16 themselves (`cpu::avx512`) and come first where they apply.
 //!
 //! Through XLA (jax 0.10.2, AVX2 without AVX-512, best of 7 rounds), the float16 RMS forward at
@@ -22,7 +24,10 @@ use half::f16;
 
 use super::forward_chunk;
 use super::simd::Kernel;
-use crate::handlers::math::{layer, Accum, Element, Typed, TypedMut};
+use crate::handlers::math::{
+    add_square_block, forward_scale, layer, rstd_of, tail_squares, Accum, Element, RowSum, Typed,
+    TypedMut, LANES,
+};
 
 /// Elements widened at a time: a block of whole rows of up to this many elements, in stack
 /// arrays of the accumulation dtype (8 KB each in float32).
@@ -95,6 +100,63 @@ fn in_blocks<T: Element, A: Accum + CpuElement>(
     }
 }
 
+/// The RMS norm's forward over float16 rows longer than [`WIDE_BLOCK`], row by row, each row
+/// widened a piece of [`WIDE_BLOCK`] elements at a time twice: once for its sum of squares
+/// (each piece is one of the sum's blocks, `math::add_square_block`, the row's tail last, so
+/// the sum is `math::sum_squares`'s), once to scale it (`math::forward_scale`, y narrowed back
+/// piece by piece). Out of line, with a `kernel.run` per row, as [`in_blocks`].
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn forward_long_rows<'w, T: Element, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+    y: &mut [T],
+    rstd: &mut [A],
+) {
+    let mut xw = [A::ZERO; WIDE_BLOCK];
+    let mut yw = [A::ZERO; WIDE_BLOCK];
+    for (i, ((xr, yr), r)) in x
+        .chunks_exact(n)
+        .zip(y.chunks_exact_mut(n))
+        .zip(rstd.iter_mut())
+        .enumerate()
+    {
+        kernel.run(
+            #[inline(always)]
+            || {
+                let mut sum = RowSum::new();
+                let pieces = xr.chunks(WIDE_BLOCK);
+                let last = pieces.len() - 1;
+                for (p, piece) in pieces.enumerate() {
+                    let xp = &mut xw[..piece.len()];
+                    load_slice(kernel, piece, xp);
+                    let (chunks, tail) = xp.as_chunks::<LANES>();
+                    add_square_block::<A, A>(&mut sum, chunks);
+                    if p == last {
+                        sum.add(&tail_squares::<A, A>(tail));
+                    }
+                }
+                *r = rstd_of(sum.total(), n, eps);
+                let w = w_of(i);
+                for (p, (piece, yp)) in xr
+                    .chunks(WIDE_BLOCK)
+                    .zip(yr.chunks_mut(WIDE_BLOCK))
+                    .enumerate()
+                {
+                    let len = piece.len();
+                    load_slice(kernel, piece, &mut xw[..len]);
+                    let wp = w.map(|w| &w[p * WIDE_BLOCK..][..len]);
+                    forward_scale::<A, W, A>(&xw[..len], wp, *r, &mut yw[..len]);
+                    store_slice(kernel, &yw[..len], yp);
+                }
+            },
+        );
+    }
+}
+
 /// An element type as the CPU kernels take it: float16 may go through float32's kernels (the
 /// module's doc); every other type runs its own, and the default methods decline.
 pub trait CpuElement: Element {
@@ -160,6 +222,10 @@ impl CpuElement for f16 {
         y: &mut [f16],
         rstd: &mut [A],
     ) -> bool {
+        if kernel.has_f16c() && n > WIDE_BLOCK {
+            forward_long_rows::<f16, W, A>(kernel, x, n, w_of, eps, y, rstd);
+            return true;
+        }
         if !f16_widens(kernel, n) {
             return false;
         }
