@@ -1397,7 +1397,8 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
     // where F16C converts them (`layer_forward_chunk`): every path gives
     // `layer::forward_row`'s bits for y, the mean and rstd. Cases: tails and rests after whole
     // batches, a weight row per few rows, rows just past the narrow ones, rows of large mean
-    // (the centred sums matter there), blocks of float16 rows whole and cut (2048 and 2049).
+    // (the centred sums matter there), blocks of float16 rows whole and cut (2048 and 2049),
+    // longer rows in pieces.
     fn check<T: CpuElement, A: Accum + CpuElement>(n: usize, rows: usize, groups: usize) {
         let mut xs = values(n * rows, 31);
         for (at, v) in [(2, f32::NAN), (n + 1, f32::INFINITY)] {
@@ -1478,6 +1479,11 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         (1000, 5, 2),
         (2048, 3, 1),
         (2049, 2, 1),
+        // Rows summed block by block, float16 widened a piece at a time: a last piece of one
+        // chunk, of a tail alone, of chunks and a tail.
+        (2064, 4, 2),
+        (4103, 5, 1),
+        (6170, 5, 5),
     ] {
         check::<f32, f32>(n, rows, groups);
         check::<bf16, f32>(n, rows, groups);

@@ -10,10 +10,10 @@
 //! `cpu::tests`, with planted faults); `half`'s conversions are `math`'s integer ones bit for
 //! bit (every half, and floats at every rounding boundary, `cpu::tests`).
 //!
-//! The RMS norm's forward widens longer rows too, row by row, a piece at a time
-//! (`forward_long_rows`). The scalar context keeps the integer conversions (the reference the
-//! others are tested against), as do the backward of rows longer than [`WIDE_BLOCK`],
-//! LayerNorm's forward there, and split rows. The RMS norm's explicit
+//! Both forwards widen longer rows too, row by row, a piece at a time (`forward_long_rows`,
+//! `layer_long_rows`). The scalar context keeps the integer conversions (the reference the
+//! others are tested against), as do the backward of rows longer than [`WIDE_BLOCK`] and split
+//! rows. The RMS norm's explicit
 //! AVX-512 loops convert float16 themselves (`cpu::avx512`) and come first where they apply.
 //!
 //! Through XLA (jax 0.10.2, AVX2 without AVX-512, best of 7 rounds), the float16 RMS forward at
@@ -26,12 +26,15 @@ use super::forward_chunk;
 use super::simd::Kernel;
 use crate::handlers::math::{
     add_square_block, forward_scale, layer, rstd_of, tail_squares, Accum, Element, RowSum, Typed,
-    TypedMut, LANES,
+    TypedMut, LANES, SUM_BLOCK,
 };
 
 /// Elements widened at a time: a block of whole rows of up to this many elements, in stack
-/// arrays of the accumulation dtype (8 KB each in float32).
+/// arrays of the accumulation dtype (8 KB each in float32); longer rows a piece of this many at
+/// a time, each piece one block of their sums.
 pub const WIDE_BLOCK: usize = 2048;
+
+const _: () = assert!(WIDE_BLOCK == SUM_BLOCK);
 
 /// Rows of `n` a forward block holds: at least one (a caller widens rows of up to
 /// [`WIDE_BLOCK`]).
@@ -157,6 +160,56 @@ fn forward_long_rows<'w, T: Element, W: Element + 'w, A: Accum + CpuElement>(
     }
 }
 
+/// LayerNorm's forward over float16 rows whose sums run block by block (`layer::blocked`: over
+/// 2063 elements), row by row, each row widened a piece of [`WIDE_BLOCK`] elements at a time
+/// three times: for the mean, the centred sums (`layer::stats_by_pieces`: [`layer::stats`]'s
+/// bits) and y (`layer::forward_apply`, narrowed back piece by piece). As [`forward_long_rows`].
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn layer_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    x: &[f16],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    b_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+    y: &mut [f16],
+    mean: &mut [A],
+    rstd: &mut [A],
+) {
+    let mut xw = [A::ZERO; WIDE_BLOCK];
+    let mut yw = [A::ZERO; WIDE_BLOCK];
+    let rows = x.chunks_exact(n).zip(y.chunks_exact_mut(n));
+    for (i, ((xr, yr), (m, r))) in rows.zip(mean.iter_mut().zip(rstd.iter_mut())).enumerate() {
+        kernel.run(
+            #[inline(always)]
+            || {
+                let s = layer::stats_by_pieces::<A>(
+                    n,
+                    eps,
+                    &mut xw,
+                    #[inline(always)]
+                    |range, piece| load_slice(kernel, &xr[range], piece),
+                );
+                (*m, *r) = (s.mean, s.rstd);
+                let (w, b) = (w_of(i), b_of(i));
+                for (p, (piece, yp)) in xr
+                    .chunks(WIDE_BLOCK)
+                    .zip(yr.chunks_mut(WIDE_BLOCK))
+                    .enumerate()
+                {
+                    let len = piece.len();
+                    load_slice(kernel, piece, &mut xw[..len]);
+                    let wp = w.map(|w| &w[p * WIDE_BLOCK..][..len]);
+                    let bp = b.map(|b| &b[p * WIDE_BLOCK..][..len]);
+                    layer::forward_apply::<A, W, A>(&xw[..len], wp, bp, s, &mut yw[..len]);
+                    store_slice(kernel, &yw[..len], yp);
+                }
+            },
+        );
+    }
+}
+
 /// An element type as the CPU kernels take it: float16 may go through float32's kernels (the
 /// module's doc); every other type runs its own, and the default methods decline.
 pub trait CpuElement: Element {
@@ -258,6 +311,10 @@ impl CpuElement for f16 {
         mean: &mut [A],
         rstd: &mut [A],
     ) -> bool {
+        if kernel.has_f16c() && layer::blocked(n) {
+            layer_long_rows::<W, A>(kernel, x, n, w_of, b_of, eps, y, mean, rstd);
+            return true;
+        }
         if !f16_widens(kernel, n) {
             return false;
         }

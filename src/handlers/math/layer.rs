@@ -23,7 +23,7 @@
 //! [`SUM_BLOCK`] elements, added into compensated float64 lanes), so the error does not grow
 //! with the row and the bits are the same on every instruction set.
 
-use super::{Accum, Element, RowSum, WideSum, BLOCK_CHUNKS, LANES, NARROW_BATCH};
+use super::{Accum, Element, RowSum, WideSum, BLOCK_CHUNKS, LANES, NARROW_BATCH, SUM_BLOCK};
 
 /// A row's statistics: the mean rounded once to `A` (what the forward returns), the mean of
 /// the deviations from it (`d` above), and rstd.
@@ -304,21 +304,92 @@ pub fn centred_sums<T: Element, A: Accum>(x: &[T], m: A) -> [f64; 2] {
     sums::<A, 2>(
         x.len(),
         #[inline(always)]
-        |c| {
-            let mut d = widen::<T, A>(&xb[c]);
-            let mut sq = [A::ZERO; LANES];
-            for (s, v) in sq.iter_mut().zip(d.iter_mut()) {
-                *v = *v - m;
-                *s = *v * *v;
-            }
-            [d, sq]
-        },
+        |c| centred_terms(widen::<T, A>(&xb[c]), m),
         #[inline(always)]
         |j| {
             let d = A::load(xt[j]) - m;
             [d, d * d]
         },
     )
+}
+
+/// A chunk's terms of the centred sums: `x - m` and its square.
+#[inline(always)]
+fn centred_terms<A: Accum>(mut d: [A; LANES], m: A) -> [[A; LANES]; 2] {
+    let mut sq = [A::ZERO; LANES];
+    for (s, v) in sq.iter_mut().zip(d.iter_mut()) {
+        *v = *v - m;
+        *s = *v * *v;
+    }
+    [d, sq]
+}
+
+/// Whether a row of `n` is summed block by block ([`RowSum`]) rather than in a tree (see
+/// [`sums`]): the rows [`stats_by_pieces`] takes.
+pub fn blocked(n: usize) -> bool {
+    n / LANES > BLOCK_CHUNKS
+}
+
+/// [`stats`] of a row of `n` ([`blocked`]) in `A`, handed over a piece at a time: `load(range,
+/// buf)` fills `buf` with the row's elements `range` (pieces of [`SUM_BLOCK`] from the row's
+/// start; `scratch` holds one), twice (the mean's pass and the centred sums'). Each piece is
+/// one of the sums' blocks and the tail comes last, as [`sums`] takes them: [`stats`]'s bits.
+/// For float16 rows widened piece by piece (`cpu::widen`).
+#[inline(always)]
+pub fn stats_by_pieces<A: Accum>(
+    n: usize,
+    eps: A,
+    scratch: &mut [A],
+    mut load: impl FnMut(std::ops::Range<usize>, &mut [A]),
+) -> Stats<A> {
+    debug_assert!(blocked(n) && scratch.len() >= SUM_BLOCK);
+    let pieces = n.div_ceil(SUM_BLOCK);
+    let mut m = A::ZERO;
+    let mut out = [[0.0; 2]; 2];
+    for (pass, out) in out.iter_mut().enumerate() {
+        let mut row = [RowSum::new(); 2];
+        let mut tails = [[A::ZERO; LANES]; 2];
+        for p in 0..pieces {
+            let range = p * SUM_BLOCK..((p + 1) * SUM_BLOCK).min(n);
+            let piece = &mut scratch[..range.len()];
+            load(range, piece);
+            let (xb, xt) = piece.as_chunks::<LANES>();
+            if !xb.is_empty() {
+                let acc = if pass == 0 {
+                    let [a] = block::<A, 1>(&|c| [xb[c]], 0, xb.len());
+                    [a, [A::ZERO; LANES]]
+                } else {
+                    block::<A, 2>(&|c| centred_terms(xb[c], m), 0, xb.len())
+                };
+                for (r, a) in row.iter_mut().zip(&acc) {
+                    r.add(a);
+                }
+            }
+            if p + 1 == pieces {
+                for (j, &v) in xt.iter().enumerate() {
+                    let d = v - m;
+                    (tails[0][j], tails[1][j]) = if pass == 0 { (v, A::ZERO) } else { (d, d * d) };
+                }
+            }
+        }
+        for (r, t) in row.iter_mut().zip(&tails) {
+            r.add(t);
+        }
+        *out = if pass == 0 {
+            [RowSum::totals([row[0]])[0], 0.0]
+        } else {
+            RowSum::totals(row)
+        };
+        if pass == 0 {
+            m = A::from_f64(out[0] / n as f64);
+        }
+    }
+    let (shift, rstd) = shift_and_rstd(out[1][0], out[1][1], n, eps);
+    Stats {
+        mean: m,
+        shift,
+        rstd,
+    }
 }
 
 /// The mean of a row, rounded once to `A`.
