@@ -70,9 +70,28 @@ pub fn store_slice<A: Accum + CpuElement, T: Element>(kernel: Kernel, src: &[A],
     }
 }
 
+/// `f(offset, x, y)` over `x` and `y` a piece of `len` elements at a time: the piece of x
+/// loaded into `xw` in `A`, `f` writing y's in `A` into `yw`, y stored back. Runs inside
+/// `kernel.run`.
+#[inline(always)]
+fn by_pieces<T: Element, A: Accum + CpuElement>(
+    kernel: Kernel,
+    (x, y): (&[T], &mut [T]),
+    len: usize,
+    (xw, yw): (&mut [A], &mut [A]),
+    mut f: impl FnMut(usize, &[A], &mut [A]),
+) {
+    for (p, (xp, yp)) in x.chunks(len).zip(y.chunks_mut(len)).enumerate() {
+        let len_p = xp.len();
+        load_slice(kernel, xp, &mut xw[..len_p]);
+        f(p * len, &xw[..len_p], &mut yw[..len_p]);
+        store_slice(kernel, &yw[..len_p], yp);
+    }
+}
+
 /// Runs `rows` over `x` and `y` (whole rows of `n`, at most [`WIDE_BLOCK`]) a block of rows at
 /// a time: x loaded into `A` on the stack, `rows(x, y, first row)` with y in `A`, y stored back.
-/// Out of line, with a `kernel.run` per block: the kernels inside run in a frame of their own
+/// Out of line, with its own `kernel.run`: the kernels inside run in a frame of their own
 /// (inlined beside x's own kernels they doubled an unoptimized build's frame, past a test
 /// thread's stack, in the backward), in `kernel`'s context.
 #[inline(never)]
@@ -86,21 +105,21 @@ fn in_blocks<T: Element, A: Accum + CpuElement>(
     let per_block = rows_per_block(n);
     let mut xw = [A::ZERO; WIDE_BLOCK];
     let mut yw = [A::ZERO; WIDE_BLOCK];
-    for (b, (xb, yb)) in x
-        .chunks(per_block * n)
-        .zip(y.chunks_mut(per_block * n))
-        .enumerate()
-    {
-        let len = xb.len();
-        kernel.run(
-            #[inline(always)]
-            || {
-                load_slice(kernel, xb, &mut xw[..len]);
-                rows(&xw[..len], &mut yw[..len], b * per_block);
-                store_slice(kernel, &yw[..len], yb);
-            },
-        );
-    }
+    kernel.run(
+        #[inline(always)]
+        || {
+            let pieces = (x, y);
+            let scratch = (&mut xw[..], &mut yw[..]);
+            by_pieces(
+                kernel,
+                pieces,
+                per_block * n,
+                scratch,
+                #[inline(always)]
+                |at, xb, yb| rows(xb, yb, at / n),
+            )
+        },
+    )
 }
 
 /// The RMS norm's forward over float16 rows longer than [`WIDE_BLOCK`], row by row, each row
@@ -143,18 +162,19 @@ fn forward_long_rows<'w, T: Element, W: Element + 'w, A: Accum + CpuElement>(
                     }
                 }
                 *r = rstd_of(sum.total(), n, eps);
-                let w = w_of(i);
-                for (p, (piece, yp)) in xr
-                    .chunks(WIDE_BLOCK)
-                    .zip(yr.chunks_mut(WIDE_BLOCK))
-                    .enumerate()
-                {
-                    let len = piece.len();
-                    load_slice(kernel, piece, &mut xw[..len]);
-                    let wp = w.map(|w| &w[p * WIDE_BLOCK..][..len]);
-                    forward_scale::<A, W, A>(&xw[..len], wp, *r, &mut yw[..len]);
-                    store_slice(kernel, &yw[..len], yp);
-                }
+                let (w, r) = (w_of(i), *r);
+                let scratch = (&mut xw[..], &mut yw[..]);
+                by_pieces(
+                    kernel,
+                    (xr, yr),
+                    WIDE_BLOCK,
+                    scratch,
+                    #[inline(always)]
+                    |at, xp, yp| {
+                        let wp = w.map(|w| &w[at..][..xp.len()]);
+                        forward_scale::<A, W, A>(xp, wp, r, yp)
+                    },
+                );
             },
         );
     }
@@ -193,18 +213,19 @@ fn layer_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
                 );
                 (*m, *r) = (s.mean, s.rstd);
                 let (w, b) = (w_of(i), b_of(i));
-                for (p, (piece, yp)) in xr
-                    .chunks(WIDE_BLOCK)
-                    .zip(yr.chunks_mut(WIDE_BLOCK))
-                    .enumerate()
-                {
-                    let len = piece.len();
-                    load_slice(kernel, piece, &mut xw[..len]);
-                    let wp = w.map(|w| &w[p * WIDE_BLOCK..][..len]);
-                    let bp = b.map(|b| &b[p * WIDE_BLOCK..][..len]);
-                    layer::forward_apply::<A, W, A>(&xw[..len], wp, bp, s, &mut yw[..len]);
-                    store_slice(kernel, &yw[..len], yp);
-                }
+                let scratch = (&mut xw[..], &mut yw[..]);
+                by_pieces(
+                    kernel,
+                    (xr, yr),
+                    WIDE_BLOCK,
+                    scratch,
+                    #[inline(always)]
+                    |at, xp, yp| {
+                        let wp = w.map(|w| &w[at..][..xp.len()]);
+                        let bp = b.map(|b| &b[at..][..xp.len()]);
+                        layer::forward_apply::<A, W, A>(xp, wp, bp, s, yp)
+                    },
+                );
             },
         );
     }
