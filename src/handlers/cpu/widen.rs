@@ -11,14 +11,14 @@
 //! bit (every half, and floats at every rounding boundary, `cpu::tests`).
 //!
 //! Both forwards widen longer rows too, row by row, a piece at a time (`forward_long_rows`,
-//! `layer_long_rows`). The scalar context keeps the integer conversions (the reference the
-//! others are tested against), as do the backward of rows longer than [`WIDE_BLOCK`] and split
-//! rows. The RMS norm's explicit
-//! AVX-512 loops convert float16 themselves (`cpu::avx512`) and come first where they apply.
+//! `layer_long_rows`; LayerNorm's from 2064 elements, where its sums run block by block). The
+//! scalar context keeps the integer conversions (the reference the others are tested against),
+//! as do the backward of rows longer than [`WIDE_BLOCK`], LayerNorm's rows of 2049-2063 and
+//! split rows. The RMS norm's explicit AVX-512 loops convert float16 themselves
+//! (`cpu::avx512`) and come first where they apply.
 //!
-//! Through XLA (jax 0.10.2, AVX2 without AVX-512, best of 7 rounds), the float16 RMS forward at
-//! 8192x64 took 1.56 ms before and 0.65 after (bfloat16: 0.44), at 1024x1024 1.14 and 0.45-0.66
-//! (bfloat16 0.32-0.33); see docs/speed.md.
+//! Through XLA (jax 0.10.2, AVX2 without AVX-512), the float16 RMS forward at 8192x64 took
+//! 1.56 ms before and 0.65 after (bfloat16: 0.44); `make bench` figures in docs/speed.md.
 
 use half::f16;
 
