@@ -556,9 +556,9 @@ fn squares<T: Element, A: Accum>(x: &[T]) -> RowSum {
 }
 
 /// One block of a row's sum of squares (at most [`BLOCK_CHUNKS`] chunks) added to `sum`, as
-/// [`squares`] adds each (which never adds an empty one: nor does this). For rows summed a
+/// `squares` adds each (which never adds an empty one: nor does this). For rows summed a
 /// piece at a time (`cpu::widen`): pieces of [`SUM_BLOCK`] elements from the row's start, the
-/// row's tail ([`tail_squares`]) last, give [`squares`]'s bits.
+/// row's tail ([`tail_squares`]) last, give [`sum_squares`]'s bits.
 #[inline(always)]
 pub fn add_square_block<T: Element, A: Accum>(sum: &mut RowSum, block: &[[T; LANES]]) {
     debug_assert!(block.len() <= BLOCK_CHUNKS);

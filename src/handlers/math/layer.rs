@@ -325,7 +325,7 @@ fn centred_terms<A: Accum>(mut d: [A; LANES], m: A) -> [[A; LANES]; 2] {
 }
 
 /// Whether a row of `n` is summed block by block ([`RowSum`]) rather than in a tree (see
-/// [`sums`]): the rows [`stats_by_pieces`] takes.
+/// `sums`): the rows [`stats_by_pieces`] takes.
 pub fn blocked(n: usize) -> bool {
     n / LANES > BLOCK_CHUNKS
 }
@@ -333,7 +333,7 @@ pub fn blocked(n: usize) -> bool {
 /// [`stats`] of a row of `n` ([`blocked`]) in `A`, handed over a piece at a time: `load(range,
 /// buf)` fills `buf` with the row's elements `range` (pieces of [`SUM_BLOCK`] from the row's
 /// start; `scratch` holds one), twice (the mean's pass and the centred sums'). Each piece is
-/// one of the sums' blocks and the tail comes last, as [`sums`] takes them: [`stats`]'s bits.
+/// one of the sums' blocks and the tail comes last, as `sums` takes them: [`stats`]'s bits.
 /// For float16 rows widened piece by piece (`cpu::widen`).
 #[inline(always)]
 pub fn stats_by_pieces<A: Accum>(
