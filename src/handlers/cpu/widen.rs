@@ -126,16 +126,16 @@ fn in_blocks<T: Element, A: Accum + CpuElement>(
 /// widened a piece of [`WIDE_BLOCK`] elements at a time twice: once for its sum of squares
 /// (each piece is one of the sum's blocks, `math::add_square_block`, the row's tail last, so
 /// the sum is `math::sum_squares`'s), once to scale it (`math::forward_scale`, y narrowed back
-/// piece by piece). Out of line, with a `kernel.run` per row, as [`in_blocks`].
+/// piece by piece). Out of line, as [`in_blocks`], with a `kernel.run` per row.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-fn forward_long_rows<'w, T: Element, W: Element + 'w, A: Accum + CpuElement>(
+fn forward_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
     kernel: Kernel,
-    x: &[T],
+    x: &[f16],
     n: usize,
     w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
     eps: A,
-    y: &mut [T],
+    y: &mut [f16],
     rstd: &mut [A],
 ) {
     let mut xw = [A::ZERO; WIDE_BLOCK];
@@ -183,7 +183,7 @@ fn forward_long_rows<'w, T: Element, W: Element + 'w, A: Accum + CpuElement>(
 /// LayerNorm's forward over float16 rows whose sums run block by block (`layer::blocked`: over
 /// 2063 elements), row by row, each row widened a piece of [`WIDE_BLOCK`] elements at a time
 /// three times: for the mean, the centred sums (`layer::stats_by_pieces`: [`layer::stats`]'s
-/// bits) and y (`layer::forward_apply`, narrowed back piece by piece). As [`forward_long_rows`].
+/// bits) and y (`layer::forward_apply`, narrowed back piece by piece), as [`forward_long_rows`].
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
 fn layer_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
@@ -297,7 +297,7 @@ impl CpuElement for f16 {
         rstd: &mut [A],
     ) -> bool {
         if kernel.has_f16c() && n > WIDE_BLOCK {
-            forward_long_rows::<f16, W, A>(kernel, x, n, w_of, eps, y, rstd);
+            forward_long_rows::<W, A>(kernel, x, n, w_of, eps, y, rstd);
             return true;
         }
         if !f16_widens(kernel, n) {
