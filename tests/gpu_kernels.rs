@@ -1,4 +1,4 @@
-//! Compiles every RMS norm kernel with NVRTC from pip (`nvidia-cuda-nvrtc-cu12`) for compute_80
+//! Compiles every kernel (both norms) with NVRTC from pip (`nvidia-cuda-nvrtc-cu12`) for compute_80
 //! and compute_90, through the crate's own library search, and assembles the PTX with `ptxas`
 //! from `nvidia-cuda-nvcc-cu12` for sm_80 and sm_90. No GPU needed.
 //!
@@ -95,9 +95,11 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
     let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_ptx_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
+    // Both norms' kernels in one compile (the bundles compile a module per norm).
+    let both = format!("#define KERNEL_NORMS 3\n{SOURCE}");
     for cc in [80, 90] {
         let compiled = nvrtc
-            .compile(SOURCE, "rmsnorm.cu", &format!("compute_{cc}"))
+            .compile(&both, "rmsnorm.cu", &format!("compute_{cc}"))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(
             compiled.log.trim().is_empty() || !compiled.log.contains("error"),
@@ -183,8 +185,8 @@ fn the_forward_variants_compile_and_assemble_without_spills() {
     let ptxas = pip_ptxas(&site);
     let dir = std::env::temp_dir().join(format!("rmsnorm_ffi_variants_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let pairs = "#define EMU_PAIRS STAMP(bf16, bf16_t, bf16, bf16_t) STAMP(bf16, bf16_t, f32, \
-                 float) STAMP(f32, float, f32, float)\n";
+    let pairs = "#define KERNEL_NORMS 3\n#define EMU_PAIRS STAMP(bf16, bf16_t, bf16, bf16_t) \
+                 STAMP(bf16, bf16_t, f32, float) STAMP(f32, float, f32, float)\n";
     let mut failures = Vec::new();
     // Tried and left out of the sweep: fwd_vpt=2 (ptxas gives the float32 and bfloat16 forward
     // 32 registers and 16/32 and 16/16 bytes of spills), fwd_vpt=8 under the default bounds of
@@ -264,10 +266,30 @@ fn the_kernel_parameter_table_matches_the_compiled_entry_points() {
         eprintln!("SKIPPED: RMSNORM_FFI_SITE_PACKAGES is not set (make rust-test sets it)");
         return;
     };
+    // Both norms' families, for a few pairs (every kernel of a family comes from one entry
+    // macro of rmsnorm.cu: the pairs change the element types, not the parameter list; the
+    // whole table compiles in every_kernel_compiles_and_assembles_for_sm80_and_sm90).
+    let source = format!(
+        "#define KERNEL_NORMS 3\n#define EMU_PAIRS STAMP(bf16, bf16_t, bf16, bf16_t) \
+         STAMP(f32, float, f64, double) STAMP(f64, double, f16, f16_t) \
+         FINALIZE_ENTRY(f32, float, f64, double) FINALIZE_ENTRY(f64, double, f16, f16_t)\n{SOURCE}"
+    );
     let compiled = nvrtc
-        .compile(SOURCE, "rmsnorm.cu", "compute_90")
+        .compile(&source, "rmsnorm.cu", "compute_90")
         .unwrap_or_else(|e| panic!("{e}"));
+    let stamped = [
+        "_bf16_wbf16_",
+        "_f32_wf64_",
+        "_f64_wf16_",
+        "_f32_wf64",
+        "_f64_wf16",
+    ];
+    let mut checked = 0;
     for (name, signature) in KERNELS.iter() {
+        if !stamped.iter().any(|p| name.contains(p)) {
+            continue;
+        }
+        checked += 1;
         let want: Vec<&str> = signature.params.iter().map(|(_, p)| p.ptx_type()).collect();
         assert_eq!(
             ptx_params(&compiled.ptx, name),
@@ -276,6 +298,8 @@ fn the_kernel_parameter_table_matches_the_compiled_entry_points() {
             signature.family
         );
     }
+    // 3 pairs x 13 kernels, and the 2 finalizes.
+    assert_eq!(checked, 3 * 13 + 2);
 }
 
 #[test]
@@ -286,7 +310,7 @@ fn the_lineinfo_knob_puts_source_lines_in_the_ptx() {
     };
     // This test binary compiles directly (not through the once-per-process cache), so setting
     // the variable here affects only the compile below. One pair's kernels (rmsnorm.cu's
-    // EMU_PAIRS) show it as well as all 104, in a tenth of the time.
+    // EMU_PAIRS) show it as well as all 216, in a fraction of the time.
     let one_pair = format!(
         "#define EMU_PAIRS STAMP(f32, float, f32, float)\n{}",
         SOURCE

@@ -21,6 +21,10 @@ common=(-std=c++17 -g -fno-omit-frame-pointer -fno-strict-aliasing -Wno-unknown-
 # float32 weights: their builds stamp only those (EMU_PAIRS in rmsnorm.cu), a third of the time
 # of all 16 pairs.
 tsan_pairs="STAMP(f32, float, f32, float) STAMP(bf16, bf16_t, f32, float) FINALIZE_ENTRY(f32, float, f32, float)"
+# The pairs of harness.cpp's LayerNorm sample (`layer_pairs` there).
+layer_pairs="STAMP(f32, float, f32, float) STAMP(bf16, bf16_t, f32, float) STAMP(bf16, bf16_t, bf16, bf16_t) \
+STAMP(f64, double, f64, double) STAMP(f16, f16_t, f16, f16_t) FINALIZE_ENTRY(f32, float, f32, float) \
+FINALIZE_ENTRY(f32, float, bf16, bf16_t) FINALIZE_ENTRY(f64, double, f64, double) FINALIZE_ENTRY(f32, float, f16, f16_t)"
 
 build() {  # name source flags...
   local name=$1 source=$2
@@ -41,9 +45,16 @@ build() {  # name source flags...
 }
 
 t0=$(date +%s)
-echo "== AddressSanitizer + UndefinedBehaviorSanitizer: the full sweep"
-build harness-asan "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: the full sweep (the RMS norm's kernels)"
+build harness-asan "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -DKERNEL_NORMS=1
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/harness-asan"
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: LayerNorm's kernels, a sample (the same"
+echo "   code with a mean: its pairs only, not the whole sweep again)"
+build harness-asan-layer "$src" -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -DKERNEL_NORMS=2 -DEMU_PAIRS="$layer_pairs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  "$out/harness-asan-layer" layer
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer: a kernel variant (RMSNORM_FFI_GPU_PLAN's"
 echo "   fwd_vpt=8,fwd_weight_early=1 defines: folds between cached vectors, weight packs read"

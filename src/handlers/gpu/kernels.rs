@@ -1,6 +1,11 @@
-//! The kernel table: every kernel stamped in rmsnorm.cu with its family's parameter list (the
+//! The kernel tables: every kernel stamped in rmsnorm.cu with its family's parameter list (the
 //! one list the launch builder checks arguments against, and a test checks against NVRTC's
-//! PTX), and the per-capability compile cache.
+//! PTX), one table per norm, and the per-capability compile cache.
+//!
+//! Each norm's kernels are a module of their own (rmsnorm.cu's `KERNEL_NORMS`), compiled and
+//! loaded only when a call site of that norm needs them: NVRTC takes about as long again for
+//! LayerNorm's kernels as for the RMS norm's (45 s and 50 s for sm_90 on a 2-core VM), which a
+//! process that uses one norm should not wait for.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,16 +15,16 @@ use parking_lot::Mutex;
 
 use super::driver::{self, Compiled, GpuError, GpuResult, KernelSignature, Param};
 use super::variant::Variant;
-use crate::handlers::contract::DtypePair;
+use crate::handlers::contract::{DtypePair, Norm};
 use xla_ffi_bundles::ffi::DataType;
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("rmsnorm.cu");
 
 /// (x, weight) dtype pairs, in table order: the op contract's pairs, one forward, one backward
-/// and one residual-forward kernel each, vectorized and scalar (rmsnorm.cu stamps them all:
-/// `STAMP_WEIGHTS`); a missing weight uses the pair whose weight is x's dtype (with a null
-/// pointer).
+/// and one residual-forward kernel each per norm, vectorized and scalar (rmsnorm.cu stamps them
+/// all: `STAMP_WEIGHTS`); a missing weight uses the pair whose weight is x's dtype (with a null
+/// pointer), or LayerNorm's bias's.
 pub const COMBOS: [DtypePair; 16] = DtypePair::ALL;
 
 /// (accumulator, weight) dtype pairs of the finalize kernels: one per distinct pair of the
@@ -115,6 +120,69 @@ pub static BACKWARD: KernelSignature = KernelSignature {
     ],
 };
 
+/// `layernorm_fwd_*`: LN_FWD_ENTRY in rmsnorm.cu (the forward's, with the bias and the mean).
+pub static LAYER_FORWARD: KernelSignature = KernelSignature {
+    family: "layernorm_fwd",
+    params: &[
+        ("x", Ptr),
+        ("w", Ptr),
+        ("b", Ptr),
+        ("y", Ptr),
+        ("mean", Ptr),
+        ("rstd", Ptr),
+        ("rows", I64),
+        ("n", I32),
+        ("team", I32),
+        ("eps", F32),
+        ("offset", F32),
+        ("rows_per_group", I64),
+    ],
+};
+
+/// `layernorm_residual_fwd_*`: LN_RES_ENTRY in rmsnorm.cu.
+pub static LAYER_RESIDUAL: KernelSignature = KernelSignature {
+    family: "layernorm_residual_fwd",
+    params: &[
+        ("x", Ptr),
+        ("residual", Ptr),
+        ("w", Ptr),
+        ("b", Ptr),
+        ("y", Ptr),
+        ("h", Ptr),
+        ("mean", Ptr),
+        ("rstd", Ptr),
+        ("rows", I64),
+        ("n", I32),
+        ("team", I32),
+        ("eps", F32),
+        ("offset", F32),
+        ("rows_per_group", I64),
+    ],
+};
+
+/// `layernorm_bwd_*`: LN_BWD_ENTRY in rmsnorm.cu (`partial_b`: the bias gradient's partial
+/// rows, null without a bias; no clusters, so no `dots`).
+pub static LAYER_BACKWARD: KernelSignature = KernelSignature {
+    family: "layernorm_bwd",
+    params: &[
+        ("x", Ptr),
+        ("w", Ptr),
+        ("mean", Ptr),
+        ("rstd", Ptr),
+        ("dy", Ptr),
+        ("dh", Ptr),
+        ("dx", Ptr),
+        ("partial", Ptr),
+        ("partial_b", Ptr),
+        ("n", I32),
+        ("team", I32),
+        ("offset", F32),
+        ("chunk", I64),
+        ("rows_per_group", I64),
+        ("blocks_per_group", I64),
+    ],
+};
+
 /// `rmsnorm_bwd_finalize_*`: FINALIZE_ENTRY in rmsnorm.cu.
 pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     family: "rmsnorm_bwd_finalize",
@@ -127,37 +195,79 @@ pub static FINALIZE_KERNEL: KernelSignature = KernelSignature {
     ],
 };
 
-/// Kernels per (x, weight) combo: the three directions, each vectorized and scalar, and the
-/// backward split across a cluster (vectorized).
-const PER_COMBO: usize = 7;
+/// Kernels per (x, weight) combo in a norm's table: the three directions, each vectorized and
+/// scalar, and the RMS norm's backward split across a cluster (vectorized).
+const fn per_combo(norm: Norm) -> usize {
+    match norm {
+        Norm::Rms => 7,
+        Norm::Layer => 6,
+    }
+}
 
-/// Every kernel with its parameter list, in module order: per combo fwd_v, fwd_s, bwd_v,
-/// bwd_s, residual_fwd_v, residual_fwd_s, bwd_c; then finalize.
-pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::new(|| {
+/// The norms' kernel name prefixes and signatures, per direction (forward, backward,
+/// residual forward).
+fn family(norm: Norm) -> (&'static str, [&'static KernelSignature; 3]) {
+    match norm {
+        Norm::Rms => ("rmsnorm", [&FORWARD, &BACKWARD, &RESIDUAL]),
+        Norm::Layer => (
+            "layernorm",
+            [&LAYER_FORWARD, &LAYER_BACKWARD, &LAYER_RESIDUAL],
+        ),
+    }
+}
+
+/// A norm's kernels with their parameter lists, in module order: per combo fwd_v, fwd_s, bwd_v,
+/// bwd_s, residual_fwd_v, residual_fwd_s (and the RMS norm's bwd_c); then the finalizes, which
+/// both norms' modules have.
+fn build_table(norm: Norm) -> Vec<(&'static str, &'static KernelSignature)> {
     let mut out: Vec<(&'static str, &'static KernelSignature)> = Vec::new();
+    let (prefix, signatures) = family(norm);
     for pair in COMBOS {
         let (x, w) = (pair.x(), pair.weight());
-        for (kind, signature) in [
-            ("fwd", &FORWARD),
-            ("bwd", &BACKWARD),
-            ("residual_fwd", &RESIDUAL),
-        ] {
+        for (kind, signature) in ["fwd", "bwd", "residual_fwd"].into_iter().zip(signatures) {
             for path in ["v", "s"] {
-                let name = format!("rmsnorm_{kind}_{}_w{}_{path}", code(x), code(w));
+                let name = format!("{prefix}_{kind}_{}_w{}_{path}", code(x), code(w));
                 out.push((Box::leak(name.into_boxed_str()), signature));
             }
         }
-        let name = format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w));
-        out.push((Box::leak(name.into_boxed_str()), &BACKWARD));
+        if norm == Norm::Rms {
+            let name = format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w));
+            out.push((Box::leak(name.into_boxed_str()), &BACKWARD));
+        }
     }
     for &(a, w) in FINALIZE.iter() {
         let name = format!("rmsnorm_bwd_finalize_{}_w{}", code(a), code(w));
         out.push((Box::leak(name.into_boxed_str()), &FINALIZE_KERNEL));
     }
     out
+}
+
+static RMS_TABLE: Lazy<Vec<(&'static str, &'static KernelSignature)>> =
+    Lazy::new(|| build_table(Norm::Rms));
+static LAYER_TABLE: Lazy<Vec<(&'static str, &'static KernelSignature)>> =
+    Lazy::new(|| build_table(Norm::Layer));
+
+/// The kernels of a norm's module, in module order (the indices below are into it).
+pub fn table(norm: Norm) -> &'static [(&'static str, &'static KernelSignature)] {
+    match norm {
+        Norm::Rms => &RMS_TABLE,
+        Norm::Layer => &LAYER_TABLE,
+    }
+}
+
+/// Every kernel of both norms, each once (the finalizes are in both modules): what rmsnorm.cu
+/// stamps with `KERNEL_NORMS` 3, which the tests compile.
+pub static KERNELS: Lazy<Vec<(&'static str, &'static KernelSignature)>> = Lazy::new(|| {
+    let mut out = table(Norm::Rms).to_vec();
+    for k in table(Norm::Layer) {
+        if !out.iter().any(|o| o.0 == k.0) {
+            out.push(*k);
+        }
+    }
+    out
 });
 
-/// Every kernel name, in module order.
+/// Every kernel name of both norms.
 pub static NAMES: Lazy<Vec<&'static str>> = Lazy::new(|| KERNELS.iter().map(|k| k.0).collect());
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,9 +278,10 @@ pub enum Direction {
     Residual,
 }
 
-/// The index in [`NAMES`] of the forward, backward or residual kernel for x's and the
-/// weight's dtypes.
+/// The index in the norm's [`table`] of its forward, backward or residual kernel for x's and
+/// the weight's dtypes (LayerNorm without a weight: the bias's).
 pub fn kernel_index(
+    norm: Norm,
     dir: Direction,
     x: DataType,
     w: Option<DataType>,
@@ -183,21 +294,23 @@ pub fn kernel_index(
         Direction::Backward => 2,
         Direction::Residual => 4,
     };
-    Some(PER_COMBO * combo + dir + usize::from(!vectorized))
+    Some(per_combo(norm) * combo + dir + usize::from(!vectorized))
 }
 
-/// The index in [`NAMES`] of the backward kernel whose blocks split rows across a thread block
-/// cluster (rmsnorm.cu's CLUSTER; vectorized only) for x's and the weight's dtypes.
+/// The index in the RMS norm's [`table`] of the backward kernel whose blocks split rows across
+/// a thread block cluster (rmsnorm.cu's CLUSTER; vectorized only) for x's and the weight's
+/// dtypes.
 pub fn cluster_index(x: DataType, w: Option<DataType>) -> Option<usize> {
     let pair = DtypePair::of(x, w)?;
     let combo = COMBOS.iter().position(|&c| c == pair)?;
-    Some(PER_COMBO * combo + 6)
+    Some(per_combo(Norm::Rms) * combo + 6)
 }
 
-/// The index in [`NAMES`] of the finalize kernel writing a `w`-typed gradient from `acc`.
-pub fn finalize_index(acc: DataType, w: DataType) -> Option<usize> {
+/// The index in the norm's [`table`] of the finalize kernel writing a `w`-typed gradient from
+/// `acc`.
+pub fn finalize_index(norm: Norm, acc: DataType, w: DataType) -> Option<usize> {
     let i = FINALIZE.iter().position(|&c| c == (acc, w))?;
-    Some(PER_COMBO * COMBOS.len() + i)
+    Some(per_combo(norm) * COMBOS.len() + i)
 }
 
 /// Bytes per element of a dtype of the contract (any other is a bug in the caller, as for
@@ -248,26 +361,36 @@ pub fn target_arch(cc: i32, supported: &[i32]) -> GpuResult<String> {
 type Cell = Arc<OnceCell<Arc<Compiled>>>;
 static CACHE: Lazy<Mutex<HashMap<(i32, String), Cell>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
-/// The source NVRTC compiles for `variant`: its `#define` lines, then rmsnorm.cu (the file
-/// itself for the default plan).
-pub fn source_for(variant: &Variant) -> String {
-    variant.defines() + SOURCE
+/// The `#define` that makes rmsnorm.cu stamp one norm's kernels (`KERNEL_NORMS`: 1 the RMS
+/// norm's, 2 LayerNorm's).
+pub fn norm_define(norm: Norm) -> String {
+    let bit = match norm {
+        Norm::Rms => 1,
+        Norm::Layer => 2,
+    };
+    format!("#define KERNEL_NORMS {bit}\n")
 }
 
-/// The kernels compiled for compute capability `cc` and the variant's defines: compiled once
-/// per process per (capability, defines) (concurrent callers wait for the first), then shared.
-/// Variants that define nothing (launch-only knobs) share the default plan's.
-pub fn compiled_for(cc: i32, variant: &Variant) -> GpuResult<Arc<Compiled>> {
+/// The source NVRTC compiles for `variant` and `norm`: the variant's `#define` lines and the
+/// norm's, then rmsnorm.cu.
+pub fn source_for(variant: &Variant, norm: Norm) -> String {
+    variant.defines() + &norm_define(norm) + SOURCE
+}
+
+/// A norm's kernels compiled for compute capability `cc` and the variant's defines: compiled
+/// once per process per (capability, defines) (concurrent callers wait for the first), then
+/// shared. Variants that define nothing (launch-only knobs) share the default plan's.
+pub fn compiled_for(cc: i32, variant: &Variant, norm: Norm) -> GpuResult<Arc<Compiled>> {
     let cell = CACHE
         .lock()
-        .entry((cc, variant.defines()))
+        .entry((cc, variant.defines() + &norm_define(norm)))
         .or_default()
         .clone();
     cell.get_or_try_init(|| {
         let nvrtc = driver::nvrtc()?;
         let arch = target_arch(cc, &nvrtc.supported_archs()?)?;
         nvrtc
-            .compile(&source_for(variant), "rmsnorm.cu", &arch)
+            .compile(&source_for(variant, norm), "rmsnorm.cu", &arch)
             .map(Arc::new)
     })
     .cloned()
@@ -289,36 +412,37 @@ mod tests {
         for pair in DtypePair::ALL {
             let (x, w) = (pair.x(), pair.weight());
             let c = cluster_index(x, Some(w)).unwrap();
-            assert_eq!(NAMES[c], format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w)));
-            assert!(std::ptr::eq(KERNELS[c].1, &BACKWARD));
-            for (dir, kind) in DIRECTIONS {
-                for (vectorized, path) in [(true, "v"), (false, "s")] {
-                    let i = kernel_index(dir, x, Some(w), vectorized).unwrap();
-                    assert_eq!(
-                        NAMES[i],
-                        format!("rmsnorm_{kind}_{}_w{}_{path}", code(x), code(w))
-                    );
-                    assert!(std::ptr::eq(
-                        KERNELS[i].1,
-                        match dir {
-                            Direction::Forward => &FORWARD,
-                            Direction::Backward => &BACKWARD,
-                            Direction::Residual => &RESIDUAL,
-                        }
-                    ));
-                    // No weight: the pair whose weight is x's dtype (a null pointer).
-                    assert_eq!(
-                        kernel_index(dir, x, None, vectorized),
-                        kernel_index(dir, x, Some(x), vectorized)
-                    );
+            let rms = table(Norm::Rms);
+            assert_eq!(rms[c].0, format!("rmsnorm_bwd_{}_w{}_c", code(x), code(w)));
+            assert!(std::ptr::eq(rms[c].1, &BACKWARD));
+            for norm in [Norm::Rms, Norm::Layer] {
+                let (prefix, signatures) = family(norm);
+                let t = table(norm);
+                for ((dir, kind), signature) in DIRECTIONS.into_iter().zip(signatures) {
+                    for (vectorized, path) in [(true, "v"), (false, "s")] {
+                        let i = kernel_index(norm, dir, x, Some(w), vectorized).unwrap();
+                        assert_eq!(
+                            t[i].0,
+                            format!("{prefix}_{kind}_{}_w{}_{path}", code(x), code(w))
+                        );
+                        assert!(std::ptr::eq(t[i].1, signature));
+                        assert_eq!(t[i].1.family, format!("{prefix}_{kind}"));
+                        // No weight: the pair whose weight is x's dtype (a null pointer).
+                        assert_eq!(
+                            kernel_index(norm, dir, x, None, vectorized),
+                            kernel_index(norm, dir, x, Some(x), vectorized)
+                        );
+                    }
                 }
             }
             let acc = pair.accumulation();
-            let i = finalize_index(acc, w).unwrap();
-            assert_eq!(
-                NAMES[i],
-                format!("rmsnorm_bwd_finalize_{}_w{}", code(acc), code(w))
-            );
+            for norm in [Norm::Rms, Norm::Layer] {
+                let i = finalize_index(norm, acc, w).unwrap();
+                assert_eq!(
+                    table(norm)[i].0,
+                    format!("rmsnorm_bwd_finalize_{}_w{}", code(acc), code(w))
+                );
+            }
         }
     }
 
@@ -332,15 +456,26 @@ mod tests {
             .collect();
         assert_eq!(FINALIZE.len(), finalize.len());
         assert_eq!(FINALIZE.iter().copied().collect::<HashSet<_>>(), finalize);
-        assert_eq!(NAMES.len(), PER_COMBO * COMBOS.len() + FINALIZE.len());
+        for norm in [Norm::Rms, Norm::Layer] {
+            let names: HashSet<&str> = table(norm).iter().map(|k| k.0).collect();
+            assert_eq!(names.len(), per_combo(norm) * COMBOS.len() + FINALIZE.len());
+        }
+        assert_eq!(NAMES.len(), 13 * COMBOS.len() + FINALIZE.len());
         let unique: HashSet<&str> = NAMES.iter().copied().collect();
         assert_eq!(unique.len(), NAMES.len(), "every kernel name once");
         // Dtypes outside the contract have no kernel (nothing falls back to a neighbour).
+        assert!(kernel_index(
+            Norm::Rms,
+            Direction::Forward,
+            DataType::F32,
+            Some(DataType::S32),
+            true
+        )
+        .is_none());
         assert!(
-            kernel_index(Direction::Forward, DataType::F32, Some(DataType::S32), true).is_none()
+            kernel_index(Norm::Layer, Direction::Backward, DataType::S8, None, false).is_none()
         );
-        assert!(kernel_index(Direction::Backward, DataType::S8, None, false).is_none());
-        assert!(finalize_index(DataType::BF16, DataType::F32).is_none());
+        assert!(finalize_index(Norm::Rms, DataType::BF16, DataType::F32).is_none());
     }
 
     /// The dtype-code pairs rmsnorm.cu stamps through `list` (`STAMP_WEIGHTS(x, T)` lines, or
@@ -407,6 +542,15 @@ mod tests {
         // x, w, y, rstd, rows, n, team, eps, offset, rows_per_group.
         assert_eq!(FORWARD.packed_bytes(), 4 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
         assert_eq!(RESIDUAL.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
+        // LayerNorm's: the bias and the mean besides.
+        assert_eq!(LAYER_FORWARD.packed_bytes(), 6 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
+        assert_eq!(LAYER_RESIDUAL.packed_bytes(), 8 * 8 + 8 + 4 + 4 + 4 + 4 + 8);
+        // x, w, mean, rstd, dy, dh, dx, partial, partial_b, n, team, offset, 4 bytes of
+        // padding, chunk, rows_per_group, blocks_per_group.
+        assert_eq!(
+            LAYER_BACKWARD.packed_bytes(),
+            9 * 8 + 4 + 4 + 4 + 4 + 8 + 8 + 8
+        );
         // x, w, rstd, dy, dh, dx, partial, dots, n, team, offset, 4 bytes of padding, chunk,
         // rows_per_group, blocks_per_group.
         assert_eq!(BACKWARD.packed_bytes(), 8 * 8 + 4 + 4 + 4 + 4 + 8 + 8 + 8);

@@ -1,5 +1,7 @@
-//! RMS norm on NVIDIA GPUs: the `rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_residual_fwd` bundles
-//! for platform CUDA (the same operand contracts as the CPU's, `operands.rs`).
+//! RMS norm and LayerNorm on NVIDIA GPUs: the `rmsnorm_fwd` / `rmsnorm_bwd` /
+//! `rmsnorm_residual_fwd` bundles for platform CUDA (the same operand contracts as the CPU's,
+//! `operands.rs`; the `norm` attribute picks the kernels, whole rows only: a split row's passes
+//! are the CPU's).
 //!
 //! - [`rmsnorm.cu`](kernels::SOURCE): the kernels, stamped per dtype, compiled by NVRTC.
 //! - [`driver`]: NVRTC and the driver API, loaded at run time (the only `unsafe` here); generic.
@@ -69,9 +71,9 @@ fn variant_from_env() -> FfiResult<Variant> {
     Variant::from_env().map_err(|e| FfiError::invalid_argument(format!("rmsnorm_ffi: {e}")))
 }
 
-/// Compiles the kernels of `variant` for every visible device's capability (instantiate has
-/// no device).
-fn compile_for_visible_devices(variant: &Variant) -> FfiResult<()> {
+/// Compiles the norm's kernels of `variant` for every visible device's capability (instantiate
+/// has no device).
+fn compile_for_visible_devices(variant: &Variant, norm: Norm) -> FfiResult<()> {
     let cuda = driver::cuda()?;
     let count = cuda.device_count()?;
     if count == 0 {
@@ -83,7 +85,7 @@ fn compile_for_visible_devices(variant: &Variant) -> FfiResult<()> {
     for ordinal in 0..count {
         let cc = cuda.capability(ordinal)?;
         if !seen.contains(&cc) {
-            kernels::compiled_for(cc, variant)?;
+            kernels::compiled_for(cc, variant, norm)?;
             seen.push(cc);
         }
     }
@@ -93,6 +95,9 @@ fn compile_for_visible_devices(variant: &Variant) -> FfiResult<()> {
 /// Per-call-site state of the GPU `rmsnorm_fwd` and `rmsnorm_residual_fwd`.
 pub struct GpuForwardState {
     pub live: LiveState,
+    norm: Norm,
+    /// LayerNorm's: the argument after the weight (or x) is a bias.
+    has_bias: bool,
     eps: f32,
     /// `Some`: the weight applied is `offset + w`, added inside the kernels in the accumulation
     /// dtype (their `offset` parameter, [`kernels::offset_param`]).
@@ -108,6 +113,9 @@ xla_ffi_bundles::state_type!(GpuForwardState, "rmsnorm_ffi.RmsNormGpuForwardStat
 /// Per-call-site state of the GPU `rmsnorm_bwd`.
 pub struct GpuBackwardState {
     pub live: LiveState,
+    norm: Norm,
+    /// LayerNorm's: the call returns the bias's gradient.
+    has_bias: bool,
     /// As the forward's: the weight applied is `offset + w`; dweight is still w's gradient.
     offset: Option<f32>,
     /// Calls have a `dh` operand after dy, added to dx before its one rounding (the kernels'
@@ -131,16 +139,18 @@ impl Bundle for GpuForward {
 
 impl GpuForwardState {
     fn new(target: &'static str, attrs: ForwardAttrs) -> FfiResult<GpuForwardState> {
-        rms_only(attrs.norm, attrs.has_bias, attrs.split)?;
+        let (norm, has_bias) = whole_rows(attrs.norm, attrs.has_bias, attrs.split)?;
         check_eps(attrs.eps)?;
         let row_len = check_row_len(attrs.row_len)?;
         let offset = check_scale_offset(attrs.scale_offset)?;
         let variant = variant_from_env()?;
-        compile_for_visible_devices(&variant)?;
+        compile_for_visible_devices(&variant, norm)?;
         let live = LiveState::register(target, "rmsnorm_ffi.RmsNormGpuForwardState");
         live.set_detail("plan", variant.to_string());
         Ok(GpuForwardState {
             live,
+            norm,
+            has_bias,
             eps: attrs.eps,
             offset,
             has_weight: attrs.has_weight,
@@ -148,6 +158,19 @@ impl GpuForwardState {
             variant,
             devices: DeviceSlots::default(),
         })
+    }
+}
+
+impl GpuForwardState {
+    /// The operands of the call site's forward calls.
+    fn form(&self) -> ForwardForm {
+        ForwardForm {
+            norm: self.norm,
+            has_weight: self.has_weight,
+            has_bias: self.has_bias,
+            row_len: self.row_len,
+            split: None,
+        }
     }
 }
 
@@ -216,13 +239,14 @@ fn slot_for(
     devices: &DeviceSlots,
     live: &LiveState,
     variant: &Variant,
+    norm: Norm,
     ctx: &Context<'_>,
     stage: Stage,
     scratch_bytes: impl FnOnce(usize, usize) -> usize,
 ) -> FfiResult<Slot> {
     let stream = ctx.stream()?;
     let device = driver::cuda()?.stream_device(stream)?;
-    devices.get_or_acquire(live, stream, &device, stage, variant, scratch_bytes)
+    devices.get_or_acquire(live, stream, &device, stage, (variant, norm), scratch_bytes)
 }
 
 fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> FfiResult<Slot> {
@@ -230,6 +254,7 @@ fn forward_slot(state: &GpuForwardState, ctx: &Context<'_>, stage: Stage) -> Ffi
         &state.devices,
         &state.live,
         &state.variant,
+        state.norm,
         ctx,
         stage,
         |_, _| 0,
@@ -247,22 +272,24 @@ impl Bundle for GpuBackward {
 impl Instantiate for GpuBackward {
     type Attrs<'a> = BackwardAttrs;
     fn instantiate(_ctx: &Context<'_>, attrs: BackwardAttrs) -> FfiResult<GpuBackwardState> {
-        rms_only(attrs.norm, attrs.has_bias, attrs.split)?;
+        let (norm, has_bias) = whole_rows(attrs.norm, attrs.has_bias, attrs.split)?;
         let row_len = check_row_len(attrs.row_len)?;
         if let Some(eps) = attrs.eps {
-            // The kernels read the forward's rstd; the Python lowering passes it on CUDA.
+            // The kernels read the forward's statistics; the Python lowering passes them on CUDA.
             return Err(FfiError::invalid_argument(format!(
-                "attribute `eps` ({eps}): the CUDA backward takes rstd as an operand; a \
-                 backward that takes rstd itself from x is CPU only"
+                "attribute `eps` ({eps}): the CUDA backward takes the forward's statistics as \
+                 operands; a backward that takes them itself from x is CPU only"
             )));
         }
         let offset = check_scale_offset(attrs.scale_offset)?;
         let variant = variant_from_env()?.for_backward();
-        compile_for_visible_devices(&variant)?;
+        compile_for_visible_devices(&variant, norm)?;
         let live = LiveState::register(BACKWARD_TARGET, "rmsnorm_ffi.RmsNormGpuBackwardState");
         live.set_detail("plan", variant.to_string());
         Ok(GpuBackwardState {
             live,
+            norm,
+            has_bias,
             offset,
             has_dh: attrs.has_dh == Some(true),
             has_weight: attrs.has_weight,
@@ -290,9 +317,14 @@ impl Initialize for GpuBackward {
     }
 }
 
-/// The CUDA kernels are the RMS norm's: a call site for LayerNorm is refused when it is
-/// instantiated, naming the attribute (the Python ops refuse it before lowering).
-fn rms_only(norm: Option<Norm>, has_bias: Option<bool>, split: Option<Split>) -> FfiResult<()> {
+/// The norm and whether it has a bias (`check_norm`), for whole rows: the CUDA kernels take
+/// whole rows, and a split row's passes run on the CPU (the Python lowering never sends them
+/// here), so a call site with `split` is refused when it is instantiated, naming the attribute.
+fn whole_rows(
+    norm: Option<Norm>,
+    has_bias: Option<bool>,
+    split: Option<Split>,
+) -> FfiResult<(Norm, bool)> {
     if let Some(split) = split {
         return Err(FfiError::Unimplemented(format!(
             "attribute `split` ({}, {split:?}): the CUDA kernels take whole rows; a split row's \
@@ -300,22 +332,15 @@ fn rms_only(norm: Option<Norm>, has_bias: Option<bool>, split: Option<Split>) ->
             split.value()
         )));
     }
-    match check_norm(norm, has_bias)? {
-        (Norm::Rms, _) => Ok(()),
-        (other, _) => Err(FfiError::Unimplemented(format!(
-            "attribute `norm` ({}, {other:?}): the CUDA kernels are the RMS norm's; LayerNorm \
-             runs on the CPU",
-            other.value()
-        ))),
-    }
+    Ok(check_norm(norm, has_bias)?)
 }
 
-/// The operands of the call site's CUDA backward calls: rstd always given (the kernels read the
-/// forward's), dh when the call site says so.
+/// The operands of the call site's CUDA backward calls: the statistics always given (the kernels
+/// read the forward's), dh when the call site says so.
 fn backward_form(state: &GpuBackwardState) -> BackwardForm {
     BackwardForm {
-        norm: Norm::Rms,
-        has_bias: false,
+        norm: state.norm,
+        has_bias: state.has_bias,
         has_weight: state.has_weight,
         has_rstd: true,
         has_dh: state.has_dh,
@@ -331,11 +356,16 @@ fn backward_slot(
     x: DataType,
     layout: Layout,
 ) -> FfiResult<Slot> {
-    let has_weight = state.has_weight;
+    let sums = plan::Sums {
+        norm: state.norm,
+        weight: state.has_weight,
+        bias: state.has_bias,
+    };
     slot_for(
         &state.devices,
         &state.live,
         &state.variant,
+        state.norm,
         ctx,
         stage,
         |sm_count, max_cluster| {
@@ -345,7 +375,7 @@ fn backward_slot(
                 layout.groups,
                 layout.rows_per_group(),
                 sm_count,
-                has_weight,
+                sums,
                 max_cluster,
             )
         },
@@ -381,11 +411,7 @@ impl Execute for GpuForward {
         (): (),
     ) -> FfiResult<()> {
         state.live.record_execution();
-        let forward = forward_operands(
-            &args,
-            &mut rets,
-            ForwardForm::rms(state.has_weight, state.row_len),
-        )?;
+        let forward = forward_operands(&args, &mut rets, state.form())?;
         launch_forward(state, ctx, &forward, None)
     }
 }
@@ -407,11 +433,7 @@ impl Execute for GpuResidualForward {
             forward,
             residual,
             h,
-        } = residual_operands(
-            &args,
-            &mut rets,
-            ForwardForm::rms(state.has_weight, state.row_len),
-        )?;
+        } = residual_operands(&args, &mut rets, state.form())?;
         let fused = (addr(residual.device_ptr()), addr(h.device_ptr()));
         launch_forward(state, ctx, &forward, Some(fused))
     }
@@ -419,7 +441,8 @@ impl Execute for GpuResidualForward {
 
 /// Enqueues the forward kernel on the call's stream, or with `fused = Some((residual, h))` the
 /// fused residual-add kernel, whose parameters are the forward's with the residual after x
-/// and h after y. The vectorized kernel when every pointer it loads or stores allows it.
+/// and h after y (LayerNorm's: the bias after the weight, the mean before rstd). The vectorized
+/// kernel when every pointer it loads or stores allows it.
 fn launch_forward(
     state: &GpuForwardState,
     ctx: &Context<'_>,
@@ -434,25 +457,30 @@ fn launch_forward(
     let slot = cell
         .get()
         .ok_or_else(|| FfiError::internal("device not loaded"))?;
-    let (xd, wd) = (ops.x.dtype(), ops.w.as_ref().map(|w| w.dtype()));
-    let (xp, wp, yp, rp) = (
+    let layer = state.norm == Norm::Layer;
+    let xd = ops.x.dtype();
+    // The kernel's weight dtype: the pair's (LayerNorm without a weight: its bias's).
+    let wd = (ops.w.is_some() || ops.b.is_some()).then(|| ops.pair.weight());
+    let (xp, wp, bp, yp, rp) = (
         addr(ops.x.device_ptr()),
         weight_ptr(&ops.w),
+        weight_ptr(&ops.b),
         addr(ops.y.device_ptr()),
         addr(ops.rstd.device_ptr()),
     );
+    let mp = ops.mean.as_ref().map_or(0, |m| addr(m.device_ptr()));
     let (direction, vectorized) = match fused {
         None => (
             Direction::Forward,
-            plan::can_vectorize(xd, layout.n, &[xp, wp, yp]),
+            plan::can_vectorize(xd, layout.n, &[xp, wp, bp, yp]),
         ),
         Some((resp, hp)) => (
             Direction::Residual,
-            plan::can_vectorize(xd, layout.n, &[xp, resp, wp, yp, hp]),
+            plan::can_vectorize(xd, layout.n, &[xp, resp, wp, bp, yp, hp]),
         ),
     };
     let vectorized = layout.n > 0 && vectorized;
-    let index = kernels::kernel_index(direction, xd, wd, vectorized)
+    let index = kernels::kernel_index(state.norm, direction, xd, wd, vectorized)
         .ok_or_else(|| missing_kernel(xd, wd))?;
     let launch = plan::forward_launch(
         xd,
@@ -472,9 +500,16 @@ fn launch_forward(
     if let Some((resp, _)) = fused {
         call = call.ptr("residual", resp);
     }
-    call = call.ptr("w", wp).ptr("y", yp);
+    call = call.ptr("w", wp);
+    if layer {
+        call = call.ptr("b", bp);
+    }
+    call = call.ptr("y", yp);
     if let Some((_, hp)) = fused {
         call = call.ptr("h", hp);
+    }
+    if layer {
+        call = call.ptr("mean", mp);
     }
     call.ptr("rstd", rp)
         .i64("rows", layout.rows as i64)
@@ -503,27 +538,41 @@ impl Execute for GpuBackward {
         let BackwardOperands {
             x,
             w,
+            mean,
             rstd,
             dy,
             dh,
             dx,
             dw,
+            db,
             pair,
             layout,
             ..
         } = backward_operands(&args, &mut rets, backward_form(state))?;
         let n = layout.n;
-        if n == 0 || (layout.rows == 0 && (dw.is_none() || layout.groups == 0)) {
+        let sums = plan::Sums {
+            norm: state.norm,
+            weight: dw.is_some(),
+            bias: db.is_some(),
+        };
+        if n == 0 || (layout.rows == 0 && (sums.rows() == 0 || layout.groups == 0)) {
             return Ok(());
         }
         let rstd = rstd.ok_or_else(|| FfiError::internal("CUDA backward without rstd"))?;
+        let layer = state.norm == Norm::Layer;
+        let mean = match (layer, mean) {
+            (false, _) => 0,
+            (true, Some(m)) => addr(m.device_ptr()),
+            (true, None) => return Err(FfiError::internal("CUDA LayerNorm backward without mean")),
+        };
         let cell = backward_slot(state, ctx, Stage::Execute, x.dtype(), layout)?;
         let slot = cell
             .get()
             .ok_or_else(|| FfiError::internal("device not loaded"))?;
         let stream = ctx.stream()?;
         let acc = pair.accumulation();
-        let wd = w.as_ref().map(|w| w.dtype());
+        // The kernel's weight dtype: the pair's (LayerNorm without a weight: its bias's).
+        let wd = (w.is_some() || db.is_some()).then(|| pair.weight());
         let (xp, wp, rp, dyp, dxp) = (
             addr(x.device_ptr()),
             weight_ptr(&w),
@@ -531,7 +580,6 @@ impl Execute for GpuBackward {
             addr(dy.device_ptr()),
             addr(dx.device_ptr()),
         );
-        let dwp = dw.as_ref().map_or(0, |d| addr(d.device_ptr()));
         let dhp = dh.as_ref().map_or(0, |d| addr(d.device_ptr()));
         let vectorized = plan::can_vectorize(x.dtype(), n, &[xp, wp, dyp, dhp, dxp]);
         let per_group = layout.rows_per_group();
@@ -542,11 +590,15 @@ impl Execute for GpuBackward {
             per_group,
             vectorized,
             slot.sm_count,
-            dw.is_some(),
+            sums,
             slot.max_cluster,
         );
         let (scratch, scratch_bytes) = slot.scratch();
-        let layout_of_scratch = plan::backward_scratch(x.dtype(), n, &launch, dw.is_some());
+        let layout_of_scratch = plan::backward_scratch(x.dtype(), n, &launch, sums);
+        let partial =
+            |wanted: bool, offset: usize| if wanted { scratch + offset as u64 } else { 0 };
+        let partial_w = partial(sums.weight, 0);
+        let partial_b = partial(sums.bias, layout_of_scratch.bias_offset);
         if per_group > 0 {
             let needed = layout_of_scratch.bytes;
             if needed > scratch_bytes {
@@ -558,7 +610,7 @@ impl Execute for GpuBackward {
             let index = if launch.cluster > 1 {
                 kernels::cluster_index(x.dtype(), wd)
             } else {
-                kernels::kernel_index(Direction::Backward, x.dtype(), wd, vectorized)
+                kernels::kernel_index(state.norm, Direction::Backward, x.dtype(), wd, vectorized)
             }
             .ok_or_else(|| missing_kernel(x.dtype(), wd))?;
             let config = LaunchConfig {
@@ -567,22 +619,27 @@ impl Execute for GpuBackward {
                 shared_bytes: launch.shared_bytes,
                 cluster: launch.cluster,
             };
-            let dots = if launch.cluster > 1 {
-                scratch + layout_of_scratch.dots_offset as u64
-            } else {
-                0
-            };
-            slot.module
-                .launch(index, config)?
-                .ptr("x", xp)
-                .ptr("w", wp)
+            let mut call = slot.module.launch(index, config)?.ptr("x", xp).ptr("w", wp);
+            if layer {
+                call = call.ptr("mean", mean);
+            }
+            call = call
                 .ptr("rstd", rp)
                 .ptr("dy", dyp)
                 .ptr("dh", dhp)
                 .ptr("dx", dxp)
-                .ptr("partial", if dw.is_some() { scratch } else { 0 })
-                .ptr("dots", dots)
-                .i32("n", n as i32)
+                .ptr("partial", partial_w);
+            if layer {
+                call = call.ptr("partial_b", partial_b);
+            } else {
+                let dots = if launch.cluster > 1 {
+                    scratch + layout_of_scratch.dots_offset as u64
+                } else {
+                    0
+                };
+                call = call.ptr("dots", dots);
+            }
+            call.i32("n", n as i32)
                 .i32("team", launch.team as i32)
                 .f32("offset", kernels::offset_param(state.offset))
                 .i64("chunk", launch.chunk)
@@ -590,9 +647,13 @@ impl Execute for GpuBackward {
                 .i64("blocks_per_group", launch.blocks_per_group as i64)
                 .enqueue(stream)?;
         }
-        if let Some(wd) = wd {
-            let fin =
-                kernels::finalize_index(acc, wd).ok_or_else(|| missing_kernel(acc, Some(wd)))?;
+        // One finalize per gradient (the weight's, the bias's), each of its own partial rows.
+        for (grad, rows) in [(&dw, partial_w), (&db, partial_b)] {
+            let (Some(grad), Some(wd)) = (grad, wd) else {
+                continue;
+            };
+            let fin = kernels::finalize_index(state.norm, acc, wd)
+                .ok_or_else(|| missing_kernel(acc, Some(wd)))?;
             let blocks = if per_group > 0 {
                 launch.blocks_per_group as i32
             } else {
@@ -609,11 +670,11 @@ impl Execute for GpuBackward {
                         cluster: 1,
                     },
                 )?
-                .ptr("partial", scratch)
+                .ptr("partial", rows)
                 .i32("blocks", blocks)
                 .i32("n", n as i32)
                 .i32("narrow", plan::narrow_partials(x.dtype(), &launch) as i32)
-                .ptr("dw", dwp)
+                .ptr("dw", addr(grad.device_ptr()))
                 .enqueue(stream)?;
         }
         Ok(())

@@ -1,8 +1,9 @@
 //! What the GPU bundles hold on a device, and where it is shared.
 //!
-//! - The **module** (the compiled kernels loaded into a device's primary context, ~640 KB) is
-//!   loaded once per CUDA device per process and shared by every state of every call site: it
-//!   is the same code for all of them. It stays loaded for the life of the process.
+//! - The **module** (a norm's compiled kernels loaded into a device's primary context, ~640 KB)
+//!   is loaded once per CUDA device and norm per process and shared by every state of every
+//!   call site of that norm: it is the same code for all of them. It stays loaded for the life
+//!   of the process.
 //! - The **scratch** (the backward's weight-gradient partials, and a cluster launch's
 //!   dot-product slots) belongs to one state on one
 //!   device: two executables may run on different streams of a device at once, so states must
@@ -22,34 +23,35 @@ use super::driver::{self, CaptureStatus, DeviceAllocation, Module, StreamDevice}
 use super::kernels;
 use super::plan;
 use super::variant::Variant;
+use crate::handlers::contract::Norm;
 use xla_ffi_bundles::ffi::{FfiError, FfiResult, Stage, Stream};
 use xla_ffi_bundles::state::LiveState;
 
 type Cell<T> = Arc<OnceCell<T>>;
 
-/// A module's key: the CUDA device and the variant's defines ([`Variant::defines`]).
-type ModuleKey = (i32, String);
+/// A module's key: the CUDA device, the variant's defines ([`Variant::defines`]) and the norm.
+type ModuleKey = (i32, String, Norm);
 static MODULES: Lazy<DashMap<ModuleKey, Cell<Arc<Module>>>> = Lazy::new(DashMap::new);
 static MODULES_LOADED: AtomicUsize = AtomicUsize::new(0);
 
-/// Modules loaded in this process (one per CUDA device used and set of variant defines: one per
-/// device without `RMSNORM_FFI_GPU_PLAN`).
+/// Modules loaded in this process (one per CUDA device used, norm used and set of variant
+/// defines: one per device and norm without `RMSNORM_FFI_GPU_PLAN`).
 pub fn modules_loaded() -> usize {
     MODULES_LOADED.load(Ordering::Relaxed)
 }
 
-/// The kernels of `variant` loaded on CUDA device `device`: loaded on first use (concurrent
-/// callers wait for the first), then shared by every state whose variant has the same defines
-/// (one module per device for the default plan).
-pub fn module_for(device: i32, variant: &Variant) -> FfiResult<Arc<Module>> {
+/// The norm's kernels of `variant` loaded on CUDA device `device`: loaded on first use
+/// (concurrent callers wait for the first), then shared by every state of the norm whose
+/// variant has the same defines (one module per device and norm for the default plan).
+pub fn module_for(device: i32, variant: &Variant, norm: Norm) -> FfiResult<Arc<Module>> {
     let cell = MODULES
-        .entry((device, variant.defines()))
+        .entry((device, variant.defines(), norm))
         .or_default()
         .clone();
     let module = cell.get_or_try_init(|| -> FfiResult<Arc<Module>> {
         let cuda = driver::cuda()?;
-        let compiled = kernels::compiled_for(cuda.capability(device)?, variant)?;
-        let module = Module::load(device, &compiled.image(), &kernels::KERNELS)?;
+        let compiled = kernels::compiled_for(cuda.capability(device)?, variant, norm)?;
+        let module = Module::load(device, &compiled.image(), kernels::table(norm))?;
         MODULES_LOADED.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(module))
     })?;
@@ -84,7 +86,8 @@ pub struct DeviceSlots {
 impl DeviceSlots {
     /// The resources for the call's `stream` on `device`, acquired now if this is the first
     /// call there (`stage` says which stage did, for `stats()`): the shared module of the
-    /// state's `variant` and `scratch_bytes(sm_count, max_cluster)` (0: none) of scratch.
+    /// state's kernels (its variant and norm), and `scratch_bytes(sm_count, max_cluster)` (0:
+    /// none) of scratch.
     ///
     /// Acquiring is not legal while the stream is being captured into a CUDA graph (XLA runs
     /// initialize before it records, so this only happens if it did not): then this fails with
@@ -95,7 +98,7 @@ impl DeviceSlots {
         stream: Stream,
         device: &StreamDevice,
         stage: Stage,
-        variant: &Variant,
+        (variant, norm): (&Variant, Norm),
         scratch_bytes: impl FnOnce(usize, usize) -> usize,
     ) -> FfiResult<Cell<DeviceSlot>> {
         let cell = match self.by_device.get(&device.device) {
@@ -117,7 +120,7 @@ impl DeviceSlots {
             }
         }
         cell.get_or_try_init(|| -> FfiResult<DeviceSlot> {
-            let module = module_for(device.device, variant)?;
+            let module = module_for(device.device, variant, norm)?;
             let cuda = driver::cuda()?;
             let sm_count = cuda.sm_count(device.device)?.max(1) as usize;
             let max_cluster = if cuda.has_clusters(device.device)? {

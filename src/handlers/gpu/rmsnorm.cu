@@ -367,6 +367,44 @@ __device__ __forceinline__ S team_sum(S v, int team, S* red) {
   return v;
 }
 
+// K sums of a row at the float64 level, reduced by one tree (team_sum, warp_sum): LayerNorm's
+// centred sums (two) and the backward's three, where the RMS norm has one.
+template <typename S, int K> struct Sums {
+  S s[K];
+  static __device__ __forceinline__ Sums zero() {
+    Sums r;
+#pragma unroll
+    for (int k = 0; k < K; ++k) r.s[k] = S::zero();
+    return r;
+  }
+  __device__ __forceinline__ void merge(const Sums& o) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) s[k].merge(o.s[k]);
+  }
+  __device__ __forceinline__ Sums shuffled(int offset) const {
+    Sums r;
+#pragma unroll
+    for (int k = 0; k < K; ++k) r.s[k] = s[k].shuffled(offset);
+    return r;
+  }
+};
+
+// LayerNorm's statistics of a row from its centred sums (see rmsnorm_fwd_impl): the shift
+// d = sum(x - m) / n and rstd = 1 / sqrt(sum((x - m)^2) / n - d^2 + eps), in float64 (d
+// unrounded in the variance), each rounded once to A; a negative variance (rounding, a row of
+// equal elements) is 0, a NaN one stays NaN. The CPU bundle's layer::shift_and_rstd, with
+// multiplies by `inv_n` = 1 / n for its divisions (a float64 division is a subroutine whose
+// registers the cached row holds: the forward spilled with them).
+template <typename A>
+__device__ __forceinline__ void shift_and_rstd(double s1, double s2, double inv_n, float eps,
+                                               A& d, A& r) {
+  const double dd = s1 * inv_n;
+  double var = s2 * inv_n - dd * dd;
+  if (var < 0.0) var = 0.0;
+  d = A(dd);
+  r = A(1.0 / sqrt(var + (double)eps));
+}
+
 // 1 / sqrt(sum_sq / n + eps), in float64, rounded once to A.
 template <typename A>
 __device__ __forceinline__ A rstd_of(double sum_sq, int n, float eps) {
@@ -388,30 +426,42 @@ __device__ __forceinline__ A weight_of(const Pack<W, VEC>& w, int e, A offset) {
 // given (`loaded`: FWD_WEIGHT_EARLY's, read before the reduction). OFFSET false: the call has
 // no scale offset (the launch passes -0.0), whose addition is the identity bit for bit
 // (weight_of), so it is left out: one add per element fewer (rmsnorm_fwd_impl's callers pick).
-template <typename T, typename W, int VEC, bool OFFSET>
-__device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr, int v,
-                                              typename Elem<T>::Acc r,
+// LAYER (LayerNorm): ((x - m) - d) * r * (offset + w) + b, `br` the bias row (may be null), `m`
+// the row's rounded mean and `d` its shift; unused by the RMS norm.
+template <typename T, typename W, int VEC, bool OFFSET, bool LAYER>
+__device__ __forceinline__ Pack<T, VEC> scale(const Pack<T, VEC>& p, const W* wr, const W* br,
+                                              int v, typename Elem<T>::Acc r,
+                                              typename Elem<T>::Acc m, typename Elem<T>::Acc d,
                                               typename Elem<T>::Acc offset,
                                               const Pack<W, VEC>* loaded = nullptr) {
   typedef typename Elem<T>::Acc A;
-  A vals[VEC];
+  A c[VEC], vals[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) c[e] = LAYER ? (elem(p, e) - m) - d : elem(p, e);
   if (wr) {
     const Pack<W, VEC> wp = loaded ? *loaded : load_pack<W, VEC>(wr, v);
 #pragma unroll
     for (int e = 0; e < VEC; ++e)
-      vals[e] = elem(p, e) * r * (OFFSET ? weight_of<A>(wp, e, offset) : A(elem(wp, e)));
+      vals[e] = c[e] * r * (OFFSET ? weight_of<A>(wp, e, offset) : A(elem(wp, e)));
   } else {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) vals[e] = elem(p, e) * r;
+    for (int e = 0; e < VEC; ++e) vals[e] = c[e] * r;
+  }
+  if constexpr (LAYER) {
+    if (br) {
+      const Pack<W, VEC> bp = load_pack<W, VEC>(br, v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) vals[e] += A(elem(bp, e));
+    }
   }
   Pack<T, VEC> out;
   Narrow<T, VEC>::pack(out.e, vals);
   return out;
 }
 
-// Pack `v` of the forward's input row, adding its squares to `part`: x, or with a residual
-// h = x + residual rounded to T (written to h when `store_h`).
-template <typename T, int VEC, bool RESIDUAL>
+// Pack `v` of the forward's input row, adding its squares (LAYER: its elements) to `part`: x,
+// or with a residual h = x + residual rounded to T (written to h when `store_h`).
+template <typename T, int VEC, bool RESIDUAL, bool LAYER>
 __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* hr, int v,
                                                    bool store_h, typename Elem<T>::Acc& part) {
   typedef typename Elem<T>::Acc A;
@@ -425,14 +475,14 @@ __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* 
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const A hv = elem(p, e);
-      part += hv * hv;
+      part += LAYER ? hv : hv * hv;
     }
     if (store_h) store_pack<T, VEC>(hr, v, p);
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const A a = elem(p, e);
-      part += a * a;
+      part += LAYER ? a : a * a;
     }
   }
   return p;
@@ -441,19 +491,31 @@ __device__ __forceinline__ Pack<T, VEC> load_input(const T* xr, const T* rr, T* 
 // ------------------------------------------------------------------------------------------
 // Forward: y = x * rstd * (offset + w), rstd = 1 / sqrt(mean(x^2) + eps); with RESIDUAL the
 // same of h = x + residual, and h written.
+// LAYER (LayerNorm, the layernorm_* kernels): y = ((x - m) - d) * rstd * (offset + w) + b, its
+// statistics from the cached row, as the CPU bundle's math/layer.rs takes them: the row's sum
+// gives the mean m (rounded once to A: the `mean` result), then the deviations x - m give both
+// d = mean(x - m) (the part of the true mean m could not hold) and rstd = 1 / sqrt(mean((x -
+// m)^2) - d^2 + eps) (shift_and_rstd): never E[x^2] - E[x]^2. Two tree reductions per row
+// where the RMS norm has one, no more global traffic on the cached path (the streaming path
+// reads its row a third time).
 // ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT, bool RESIDUAL, bool OFFSET>
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL, bool OFFSET, bool LAYER>
 __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
                                                  const T* __restrict__ residual,
-                                                 const W* __restrict__ w, T* __restrict__ y,
+                                                 const W* __restrict__ w,
+                                                 const W* __restrict__ b, T* __restrict__ y,
                                                  T* __restrict__ h,
+                                                 typename Elem<T>::Acc* __restrict__ mean,
                                                  typename Elem<T>::Acc* __restrict__ rstd, i64 rows,
                                                  int n, int team, float eps, float offset,
                                                  i64 rows_per_group) {
   typedef typename Elem<T>::Acc A;
   const A off = A(offset);
   typedef Wide<A> S;
-  __shared__ S red[32];
+  // One slot per warp for the team sums: of one sum (Sums<S, 1> is S's bits), and LayerNorm's
+  // centred pair.
+  __shared__ Sums<S, LAYER ? 2 : 1> red_sums[32];
+  Sums<S, 1>* red = reinterpret_cast<Sums<S, 1>*>(red_sums);
   const int teams = blockDim.x / team;
   const int lane = threadIdx.x % team;
   const int nv = n / VEC;
@@ -470,7 +532,8 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
     // a divide routine of about 80 instructions in the SASS); a uniform branch.
     const i64 group = rows_per_group >= rows ? 0 : row / rows_per_group;
     const W* wr = w ? w + group * n : nullptr;
-    S ss = S::zero();
+    const W* br = LAYER && b ? b + group * n : nullptr;
+    Sums<S, 1> ss = Sums<S, 1>::zero();
     A part = A(0);
     Pack<T, VEC> cache[VPT];
     // FWD_WEIGHT_EARLY (a kernel variant): the cached path reads the row's weight packs with
@@ -483,12 +546,12 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       for (int k = 0; k < VPT; ++k) {
         const int v = lane + k * team;
         if (valid && v < nv) {
-          cache[k] = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+          cache[k] = load_input<T, VEC, RESIDUAL, LAYER>(xr, rr, hr, v, true, part);
           if (FWD_WEIGHT_EARLY && wr) wcache[k] = load_pack<W, VEC>(wr, v);
         }
         if constexpr (VPT * VEC > FOLD_ELEMS) {
           if ((k + 1) % fold_packs == 0 && k + 1 < VPT) {
-            ss.add(part);
+            ss.s[0].add(part);
             part = A(0);
           }
         }
@@ -497,21 +560,72 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       int packs = 0;
       for (int v = lane; v < nv; v += team) {
         EMU_STEP();
-        load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, true, part);
+        load_input<T, VEC, RESIDUAL, LAYER>(xr, rr, hr, v, true, part);
         if (++packs == fold_packs) {
-          ss.add(part);
+          ss.s[0].add(part);
           part = A(0);
           packs = 0;
         }
       }
     }
-    ss.add(part);
+    ss.s[0].add(part);
     ss = team_sum(ss, team, red);
-    const A r = rstd_of<A>(ss.value(), n, eps);
+    A r, m = A(0), d = A(0);
+    if constexpr (LAYER) {
+      // The centred sums, of the cache (or the row again), in A per FOLD_ELEMS elements as the
+      // first sum.
+      const double inv_n = 1.0 / (double)n;
+      m = A(ss.s[0].value() * inv_n);
+      Sums<S, 2> cs = Sums<S, 2>::zero();
+      A c1 = A(0), c2 = A(0);
+      const auto centred = [&](const Pack<T, VEC>& p) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const A c = elem(p, e) - m;
+          c1 += c;
+          c2 += c * c;
+        }
+      };
+      const auto fold = [&]() {
+        cs.s[0].add(c1);
+        cs.s[1].add(c2);
+        c1 = A(0);
+        c2 = A(0);
+      };
+      if (cached) {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          if (valid && lane + k * team < nv) centred(cache[k]);
+          if constexpr (VPT * VEC > FOLD_ELEMS) {
+            if ((k + 1) % fold_packs == 0 && k + 1 < VPT) fold();
+          }
+        }
+      } else if (valid) {
+        int packs = 0;
+        A unused = A(0);
+        for (int v = lane; v < nv; v += team) {
+          EMU_STEP();
+          centred(load_input<T, VEC, RESIDUAL, LAYER>(xr, rr, hr, v, false, unused));
+          if (++packs == fold_packs) {
+            fold();
+            packs = 0;
+          }
+        }
+      }
+      fold();
+      cs = team_sum(cs, team, red_sums);
+      shift_and_rstd<A>(cs.s[0].value(), cs.s[1].value(), inv_n, eps, d, r);
+    } else {
+      r = rstd_of<A>(ss.s[0].value(), n, eps);
+    }
     if (!valid) continue;
     if (lane == 0) {
       EMU_GLOBAL(rstd + row, true);
       rstd[row] = r;
+      if constexpr (LAYER) {
+        EMU_GLOBAL(mean + row, true);
+        mean[row] = m;
+      }
     }
     if (cached) {
 #pragma unroll
@@ -519,7 +633,8 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
         const int v = lane + k * team;
         if (v < nv) {
           const Pack<W, VEC>* loaded = FWD_WEIGHT_EARLY ? &wcache[k] : nullptr;
-          store_pack<T, VEC>(yr, v, scale<T, W, VEC, OFFSET>(cache[k], wr, v, r, off, loaded));
+          store_pack<T, VEC>(
+              yr, v, scale<T, W, VEC, OFFSET, LAYER>(cache[k], wr, br, v, r, m, d, off, loaded));
         }
       }
     } else {
@@ -528,8 +643,8 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
       A unused = A(0);
       for (int v = lane; v < nv; v += team) {
         EMU_STEP();
-        const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL>(xr, rr, hr, v, false, unused);
-        store_pack<T, VEC>(yr, v, scale<T, W, VEC, OFFSET>(p, wr, v, r, off));
+        const Pack<T, VEC> p = load_input<T, VEC, RESIDUAL, LAYER>(xr, rr, hr, v, false, unused);
+        store_pack<T, VEC>(yr, v, scale<T, W, VEC, OFFSET, LAYER>(p, wr, br, v, r, m, d, off));
       }
     }
   }
@@ -537,17 +652,19 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const T* __restrict__ x,
 
 // The forward's entry: one of two copies of rmsnorm_fwd_impl, with the scale offset's add, or
 // without it for calls that have none (the launch passes -0.0; see scale).
-template <typename T, typename W, int VEC, int VPT, bool RESIDUAL>
-__device__ __forceinline__ void rmsnorm_fwd(const T* x, const T* residual, const W* w, T* y, T* h,
+template <typename T, typename W, int VEC, int VPT, bool RESIDUAL, bool LAYER>
+__device__ __forceinline__ void rmsnorm_fwd(const T* x, const T* residual, const W* w,
+                                            const W* b, T* y, T* h,
+                                            typename Elem<T>::Acc* mean,
                                             typename Elem<T>::Acc* rstd, i64 rows, int n,
                                             int team, float eps, float offset,
                                             i64 rows_per_group) {
   if (__float_as_uint(offset) != 0x80000000u)
-    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, true>(x, residual, w, y, h, rstd, rows, n, team,
-                                                     eps, offset, rows_per_group);
+    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, true, LAYER>(
+        x, residual, w, b, y, h, mean, rstd, rows, n, team, eps, offset, rows_per_group);
   else
-    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, false>(x, residual, w, y, h, rstd, rows, n, team,
-                                                      eps, offset, rows_per_group);
+    rmsnorm_fwd_impl<T, W, VEC, VPT, RESIDUAL, false, LAYER>(
+        x, residual, w, b, y, h, mean, rstd, rows, n, team, eps, offset, rows_per_group);
 }
 
 // `p`, with its value hidden from the optimizer: address arithmetic on it then stays where it
@@ -562,11 +679,12 @@ __device__ __forceinline__ P* opaque(P* p) {
 }
 
 // The backward block's weight-gradient row at the float64 level: in shared memory (n Wide
-// values, which plan.rs gives such launches) when several teams add into it, else the block's
-// partial row itself, each of whose columns one thread owns.
+// values, which plan.rs gives such launches, from Wide value `at`: LayerNorm's bias gradient
+// row follows the weight's) when several teams add into it, else the block's partial row
+// itself, each of whose columns one thread owns.
 template <typename S>
-__device__ __forceinline__ S* weight_row(unsigned char* smem_raw, S* prow, int teams) {
-  return teams > 1 ? reinterpret_cast<S*>(smem_raw) : prow;
+__device__ __forceinline__ S* weight_row(unsigned char* smem_raw, S* prow, int teams, int at = 0) {
+  return teams > 1 ? reinterpret_cast<S*>(smem_raw) + at : prow;
 }
 
 // Adds the threads' weight-gradient sums of the last rows (acc, in A) into the block's row
@@ -763,26 +881,78 @@ __device__ __forceinline__ S cluster_dot(S dot, S* slots, int rank, int size) {
 // * chunk, ...) up to chunk rows within the group, with the weight row w + g * n, and writes
 // partial[b * n ...] (when w). A non-null `dh` (x's shape) is added to dx in A before its one
 // rounding (see store_dx).
-// CLUSTER (the `_c` kernels, launched in clusters of C blocks on sm_90): "block b" above is
-// cluster b; its C blocks share every row of the chunk, block q taking columns [q n / C,
-// (q + 1) n / C) (its slice: cached, where a whole row would stream), and the row's dot
-// product is the sum of the C slices' (cluster_dot, through `dots`: 2 C Wide slots per
+// LAYER (LayerNorm, the layernorm_bwd kernels), given the forward's mean m and rstd: the first
+// pass sums x - m, g and g * (x - m) (one tree for the three), whence the shift d = mean(x - m)
+// (the forward's bits: what a float32 m could not hold), c1 = mean(g) and c2 = mean(g * xhat) =
+// rstd * (sum(g (x - m)) - d sum(g)) / n; then xhat = ((x - m) - d) * rstd, dx = rstd * (g - c1
+// - xhat * c2), dw += dy * xhat and, with `partial_b`, the bias's gradient db += dy into partial
+// rows of its own (beside the weight's in shared memory). The CPU bundle's math/layer.rs.
+// CLUSTER (the `_c` kernels, launched in clusters of C blocks on sm_90; the RMS norm's only):
+// "block b" above is cluster b; its C blocks share every row of the chunk, block q taking
+// columns [q n / C, (q + 1) n / C) (its slice: cached, where a whole row would stream), and the
+// row's dot product is the sum of the C slices' (cluster_dot, through `dots`: 2 C Wide slots per
 // cluster). The cluster writes one partial row, each block its slice of it: C times fewer
 // partial rows than blocks, while every multiprocessor has a block (docs/gpu-traffic.md).
 // ------------------------------------------------------------------------------------------
-template <typename T, typename W, int VEC, int VPT, bool CLUSTER>
+
+// Adds a streaming row's term for column `c` into the block's partial row: the Wide row `prow`
+// if there is one, else the narrow float32 row of `narrow_partial` (see rmsnorm_bwd_impl), else
+// nowhere (no such gradient).
+template <typename A>
+__device__ __forceinline__ void add_partial(Wide<A>* prow, Wide<A>* narrow_partial, i64 unit,
+                                            int n, int col0, int c, A term) {
+  if (prow) {
+    EMU_GLOBAL(prow + c, false);
+    EMU_GLOBAL(prow + c, true);
+    prow[c].add(term);
+  } else if (narrow_partial) {
+    A* nrow = narrow_row<A>(narrow_partial, unit, n, col0);
+    EMU_GLOBAL(nrow + c, false);
+    EMU_GLOBAL(nrow + c, true);
+    nrow[c] += term;
+  }
+}
+
+// Adds the backward's first-pass partials (in A) into its row sums and clears them.
+template <typename S, typename A, int K>
+__device__ __forceinline__ void fold_parts(Sums<S, K>& dot, A (&part)[K]) {
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    dot.s[q].add(part[q]);
+    part[q] = A(0);
+  }
+}
+
+// The first pass's terms of one element, x in A and g = dy * (offset + w) (or dy): the RMS
+// norm's g * x (K 1); LayerNorm's x - m, g and g * (x - m) (K 3).
+template <typename A, int K>
+__device__ __forceinline__ void add_terms(A (&part)[K], A xa, A g, A m) {
+  if constexpr (K == 1) {
+    part[0] += g * xa;
+  } else {
+    const A c = xa - m;
+    part[0] += c;
+    part[1] += g;
+    part[2] += g * c;
+  }
+}
+
+template <typename T, typename W, int VEC, int VPT, bool CLUSTER, bool LAYER>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const W* __restrict__ w,
+                                                 const typename Elem<T>::Acc* __restrict__ mean,
                                                  const typename Elem<T>::Acc* __restrict__ rstd,
                                                  const T* __restrict__ dy,
                                                  const T* __restrict__ dh, T* __restrict__ dx,
                                                  Wide<typename Elem<T>::Acc>* __restrict__ partial,
+                                                 Wide<typename Elem<T>::Acc>* __restrict__ partial_b,
                                                  Wide<typename Elem<T>::Acc>* dots, int n,
                                                  int team, float offset, i64 chunk,
                                                  i64 rows_per_group, i64 blocks_per_group) {
   typedef typename Elem<T>::Acc A;
   typedef Wide<A> S;
+  constexpr int K = LAYER ? 3 : 1;
   const A off = A(offset);
-  __shared__ S red[32];
+  __shared__ Sums<S, K> red[32];
 #if defined(__CUDACC_RTC__)
   extern __shared__ unsigned char smem_raw[];
 #else
@@ -809,6 +979,10 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   const i64 first = group_first + (unit % blocks_per_group) * chunk;
   const i64 last = min(group_first + rows_per_group, first + chunk);
   const W* wg = w ? w + group * n + col0 : nullptr;
+  // The gradient rows this launch writes: the weight's (`partial`, with a weight) and
+  // LayerNorm's bias's (`partial_b`); uniform across the launch.
+  const bool dw_rows = partial != nullptr;
+  const bool db_rows = LAYER && partial_b != nullptr;
   // Narrow partials: a block of one team (long rows) with at most FOLD_ROWS rows sums each
   // column in A only (its float32 acc, never folded into the float64 level), and a float32 holds
   // that sum exactly: its partial row is n float32, half the bytes, and the finalize's float64
@@ -816,13 +990,21 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
   // few-rows-long-rows shapes such chunks (`narrow_partials`); the finalize takes `narrow`.
   // The narrow row's address is computed where it is used (`narrow_row`): one more pointer held
   // through the row loop made the kernels spill.
-  const bool narrow = partial && sizeof(A) == 4 && teams == 1 && chunk <= FOLD_ROWS;
-  S* prow = partial && !narrow ? partial + unit * n + col0 : nullptr;
+  const bool narrow = (dw_rows || db_rows) && sizeof(A) == 4 && teams == 1 && chunk <= FOLD_ROWS;
+  S* prow = dw_rows && !narrow ? partial + unit * n + col0 : nullptr;
+  S* prow_b = db_rows && !narrow ? partial_b + unit * n + col0 : nullptr;
+  const bool wide_rows = prow || prow_b;
+  // The bias's row in shared memory follows the weight's (plan.rs sizes both).
+  const int b_at = dw_rows ? n : 0;
   A acc[VPT][VEC];
+  A accb[LAYER ? VPT : 1][LAYER ? VEC : 1];
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[k][e] = A(0);
+    for (int e = 0; e < VEC; ++e) {
+      acc[k][e] = A(0);
+      if constexpr (LAYER) accb[k][e] = A(0);
+    }
   if (prow && !cached) {
     // Streaming path (one team per block): each row's terms go straight into the partial row.
     for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
@@ -831,13 +1013,31 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     }
     __syncthreads();
   }
-  if (narrow && !cached) {
+  if (narrow && dw_rows && !cached) {
     A* nrow = narrow_row<A>(partial, unit, n, col0);
     for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
       EMU_GLOBAL(nrow + c, true);
       nrow[c] = A(0);
     }
     __syncthreads();
+  }
+  if constexpr (LAYER) {
+    // The same for the bias's gradient.
+    if (prow_b && !cached) {
+      for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
+        EMU_GLOBAL(prow_b + c, true);
+        prow_b[c] = S::zero();
+      }
+      __syncthreads();
+    }
+    if (narrow && db_rows && !cached) {
+      A* nrow = narrow_row<A>(partial_b, unit, n, col0);
+      for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
+        EMU_GLOBAL(nrow + c, true);
+        nrow[c] = A(0);
+      }
+      __syncthreads();
+    }
   }
   int iterations = 0;  // of the row loop, the same in every thread: a fold every FOLD_ROWS
   for (i64 base = first; base < last; base += teams) {
@@ -848,8 +1048,17 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
     T* dxr = dx + row * n + col0;
     if (valid) EMU_GLOBAL(rstd + row, false);
     const A r = valid ? rstd[row] : A(0);
-    S dot = S::zero();
-    A part = A(0);
+    A m = A(0);
+    if constexpr (LAYER) {
+      if (valid) {
+        EMU_GLOBAL(mean + row, false);
+        m = mean[row];
+      }
+    }
+    Sums<S, K> dot = Sums<S, K>::zero();
+    A part[K];
+#pragma unroll
+    for (int q = 0; q < K; ++q) part[q] = A(0);
     Pack<T, VEC> xc[VPT], gc[VPT];
     if (cached) {
 #pragma unroll
@@ -869,12 +1078,10 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-              part += elem(gc[k], e) * weight_of<A>(wp, e, off) *
-                      elem(xc[k], e);
+              add_terms<A, K>(part, elem(xc[k], e), elem(gc[k], e) * weight_of<A>(wp, e, off), m);
           } else {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              part += elem(gc[k], e) * elem(xc[k], e);
+            for (int e = 0; e < VEC; ++e) add_terms<A, K>(part, elem(xc[k], e), elem(gc[k], e), m);
           }
         }
       }
@@ -888,26 +1095,36 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            part += elem(gp, e) * weight_of<A>(wp, e, off) * elem(xp, e);
+            add_terms<A, K>(part, elem(xp, e), elem(gp, e) * weight_of<A>(wp, e, off), m);
         } else {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) part += elem(gp, e) * elem(xp, e);
+          for (int e = 0; e < VEC; ++e) add_terms<A, K>(part, elem(xp, e), elem(gp, e), m);
         }
         if (++packs == fold_packs) {
-          dot.add(part);
-          part = A(0);
+          fold_parts(dot, part);
           packs = 0;
         }
       }
     }
-    dot.add(part);
+    fold_parts(dot, part);
     dot = team_sum(dot, team, red);
-    if (CLUSTER)
-      dot = cluster_dot(dot, dots + (unit * 2 + ((base - first) & 1)) * csize, crank, csize);
+    if constexpr (CLUSTER)
+      dot = cluster_dot(dot, reinterpret_cast<Sums<S, K>*>(dots) +
+                                 (unit * 2 + ((base - first) & 1)) * csize,
+                        crank, csize);
     if (valid) {
-      // rstd^3 * sum(g * x) / n in float64, rounded once.
-      const double rd = (double)r;
-      const A c = A(rd * rd * rd * (dot.value() * inv_n));
+      // RMS: c = rstd^3 * sum(g * x) / n. LayerNorm: the shift d, c1 and c = c2 (see above).
+      // In float64, each rounded once.
+      A c, c1 = A(0), d = A(0);
+      if constexpr (LAYER) {
+        d = A(dot.s[0].value() * inv_n);
+        const double sg = dot.s[1].value();
+        c1 = A(sg * inv_n);
+        c = A((dot.s[2].value() - (double)d * sg) * inv_n * (double)r);
+      } else {
+        const double rd = (double)r;
+        c = A(rd * rd * rd * (dot.s[0].value() * inv_n));
+      }
       // dh's row, computed here rather than with x's, dy's and dx's at the top of the row loop:
       // held through the loop it spilled more (float32 x with a float64 weight, sm_80: 56/148
       // bytes of spill stores/loads against 40/132).
@@ -917,22 +1134,33 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
         for (int k = 0; k < VPT; ++k) {
           const int v = lane + k * team;
           if (v < nv) {
-            A d[VEC];
-            if (wg) {
+            A dv[VEC];
+            if constexpr (LAYER) {
+              const Pack<W, VEC> wp = wg ? load_pack<W, VEC>(wg, v) : Pack<W, VEC>{};
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                const A ga = elem(gc[k], e);
+                const A xh = ((elem(xc[k], e) - m) - d) * r;
+                const A g = wg ? ga * weight_of<A>(wp, e, off) : ga;
+                dv[e] = r * (g - c1 - xh * c);
+                acc[k][e] += ga * xh;
+                accb[k][e] += ga;
+              }
+            } else if (wg) {
               const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) {
                 const A xa = elem(xc[k], e);
                 const A ga = elem(gc[k], e);
-                d[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
+                dv[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
                 acc[k][e] += ga * xa * r;
               }
             } else {
 #pragma unroll
               for (int e = 0; e < VEC; ++e)
-                d[e] = r * elem(gc[k], e) - elem(xc[k], e) * c;
+                dv[e] = r * elem(gc[k], e) - elem(xc[k], e) * c;
             }
-            store_dx<T, VEC>(dxr, dhr, v, d);
+            store_dx<T, VEC>(dxr, dhr, v, dv);
           }
         }
       } else {
@@ -940,48 +1168,75 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const T* __restrict__ x, const 
           EMU_STEP();
           const Pack<T, VEC> xp = load_pack<T, VEC>(xr, v);
           const Pack<T, VEC> gp = load_pack<T, VEC>(dyr, v);
-          A d[VEC];
-          if (wg) {
+          A dv[VEC];
+          if constexpr (LAYER) {
+            const Pack<W, VEC> wp = wg ? load_pack<W, VEC>(wg, v) : Pack<W, VEC>{};
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              const A ga = elem(gp, e);
+              const A xh = ((elem(xp, e) - m) - d) * r;
+              const A g = wg ? ga * weight_of<A>(wp, e, off) : ga;
+              dv[e] = r * (g - c1 - xh * c);
+              add_partial<A>(prow, narrow && dw_rows ? partial : nullptr, unit, n, col0,
+                             v * VEC + e, ga * xh);
+              add_partial<A>(prow_b, narrow && db_rows ? partial_b : nullptr, unit, n, col0,
+                             v * VEC + e, ga);
+            }
+          } else if (wg) {
             const Pack<W, VEC> wp = load_pack<W, VEC>(wg, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               const A xa = elem(xp, e);
               const A ga = elem(gp, e);
-              d[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
-              if (prow) {
-                EMU_GLOBAL(prow + v * VEC + e, false);
-                EMU_GLOBAL(prow + v * VEC + e, true);
-                prow[v * VEC + e].add(ga * xa * r);
-              } else if (narrow) {
-                A* nrow = narrow_row<A>(partial, unit, n, col0);
-                EMU_GLOBAL(nrow + v * VEC + e, false);
-                EMU_GLOBAL(nrow + v * VEC + e, true);
-                nrow[v * VEC + e] += ga * xa * r;
-              }
+              dv[e] = r * ga * weight_of<A>(wp, e, off) - xa * c;
+              add_partial<A>(prow, narrow ? partial : nullptr, unit, n, col0, v * VEC + e,
+                             ga * xa * r);
             }
           } else {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-              d[e] = r * elem(gp, e) - elem(xp, e) * c;
+            for (int e = 0; e < VEC; ++e) dv[e] = r * elem(gp, e) - elem(xp, e) * c;
           }
-          store_dx<T, VEC>(dxr, dhr, v, d);
+          store_dx<T, VEC>(dxr, dhr, v, dv);
         }
       }
     }
-    if (prow && cached && ++iterations % FOLD_ROWS == 0)
-      fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
-                             nv, iterations == FOLD_ROWS);
+    if (wide_rows && cached && ++iterations % FOLD_ROWS == 0) {
+      if (prow)
+        fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
+                               nv, iterations == FOLD_ROWS);
+      if constexpr (LAYER)
+        if (prow_b)
+          fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow_b, teams, b_at), accb, teams, team_id,
+                                 team, lane, nv, iterations == FOLD_ROWS);
+    }
   }
-  if (narrow && cached)
-    store_narrow<A, VEC, VPT>(narrow_row<A>(partial, unit, n, col0), acc, team, lane, nv);
-  if (!prow || !cached) return;
-  if (iterations % FOLD_ROWS != 0 || iterations == 0)
-    fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane, nv,
-                           iterations < FOLD_ROWS);
+  if (narrow && cached) {
+    if (dw_rows)
+      store_narrow<A, VEC, VPT>(narrow_row<A>(partial, unit, n, col0), acc, team, lane, nv);
+    if constexpr (LAYER)
+      if (db_rows)
+        store_narrow<A, VEC, VPT>(narrow_row<A>(partial_b, unit, n, col0), accb, team, lane, nv);
+  }
+  if (!wide_rows || !cached) return;
+  if (iterations % FOLD_ROWS != 0 || iterations == 0) {
+    if (prow)
+      fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow, teams), acc, teams, team_id, team, lane,
+                             nv, iterations < FOLD_ROWS);
+    if constexpr (LAYER)
+      if (prow_b)
+        fold_rows<A, VEC, VPT>(weight_row(smem_raw, prow_b, teams, b_at), accb, teams, team_id,
+                               team, lane, nv, iterations < FOLD_ROWS);
+  }
   if (teams > 1)  // the last fold ended with a barrier: every team's sums are in
     for (int c = threadIdx.x; c < nv * VEC; c += blockDim.x) {
-      EMU_GLOBAL(prow + c, true);
-      prow[c] = weight_row(smem_raw, prow, teams)[c];
+      if (prow) {
+        EMU_GLOBAL(prow + c, true);
+        prow[c] = weight_row(smem_raw, prow, teams)[c];
+      }
+      if (prow_b) {
+        EMU_GLOBAL(prow_b + c, true);
+        prow_b[c] = weight_row(smem_raw, prow_b, teams, b_at)[c];
+      }
     }
 }
 
@@ -1054,29 +1309,38 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 // ------------------------------------------------------------------------------------------
 // Entry points, stamped per (x dtype, weight dtype, vector width). Names:
 //   rmsnorm_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_<x>_w<w>_<v|s|c>,
-//   rmsnorm_residual_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>
+//   rmsnorm_residual_fwd_<x>_w<w>_<v|s>, rmsnorm_bwd_finalize_<acc>_w<w>;
+//   LayerNorm's layernorm_fwd_<x>_w<w>_<v|s>, layernorm_bwd_<x>_w<w>_<v|s>,
+//   layernorm_residual_fwd_<x>_w<w>_<v|s> (the same kernels with LAYER: a bias `b` of the
+//   weight's dtype, the `mean` result or operand, the bias gradient's `partial_b`; no clusters;
+//   the finalize is shared, once per gradient)
 // `v`: 16-byte vectors (n % VEC == 0 and 16-byte aligned pointers), `s`: scalar accesses, `c`:
 // the vector backward split across the blocks of a cluster (CLUSTER; `dots` null elsewhere).
 // A null `w` means no weight; `offset` is the scale offset (-0.0 for none: weight_of), `dh` the
-// backward's added gradient (null for none: store_dx). VPT (vectors cached per thread): forward 4 (blocks up to 1024
-// threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus 32 accumulators per
-// thread: blocks of 512 threads, one per SM, up to 128 registers), so rows up to 16384 elements
-// (8192 for float64) are read once. VPT * VEC <= FOLD_ELEMS everywhere (one partial per row).
+// backward's added gradient (null for none: store_dx). VPT (vectors cached per thread): forward
+// 4 (blocks up to 1024 threads, 64 registers); backward 4, 8 for float32 (x and dy cached plus
+// 32 accumulators per thread: blocks of 512 threads, one per SM, up to 128 registers), so rows
+// up to 16384 elements (8192 for float64) are read once. LayerNorm's backward keeps a second
+// set of accumulators (the bias's) and caches half as much: 4 vectors for float32, 2 for half
+// precision and float64 (rows up to 8192 elements, 2048 for float64: at 4, ptxas spilled
+// 60-68/120-132 bytes in float64's). VPT * VEC <= FOLD_ELEMS
+// everywhere (one partial per row).
 // ------------------------------------------------------------------------------------------
 #define FWD_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const W* w, T* y, Elem<T>::Acc* rstd, i64 rows, int n, int team,           \
       float eps, float offset, i64 rows_per_group) {                                        \
-    rmsnorm_fwd<T, W, VEC, VPT, false>(x, nullptr, w, y, nullptr, rstd, rows, n, team, eps,   \
-                                       offset, rows_per_group);                             \
+    rmsnorm_fwd<T, W, VEC, VPT, false, false>(x, nullptr, w, nullptr, y, nullptr, nullptr,    \
+                                              rstd, rows, n, team, eps, offset,             \
+                                              rows_per_group);                              \
   }
 
 #define RES_ENTRY(NAME, T, W, VEC, VPT)                                                       \
   extern "C" __global__ void FWD_BOUNDS NAME(                                                \
       const T* x, const T* residual, const W* w, T* y, T* h, Elem<T>::Acc* rstd, i64 rows,   \
       int n, int team, float eps, float offset, i64 rows_per_group) {                       \
-    rmsnorm_fwd<T, W, VEC, VPT, true>(x, residual, w, y, h, rstd, rows, n, team, eps, offset, \
-                                      rows_per_group);                                      \
+    rmsnorm_fwd<T, W, VEC, VPT, true, false>(x, residual, w, nullptr, y, h, nullptr, rstd,    \
+                                             rows, n, team, eps, offset, rows_per_group);   \
   }
 
 #define BWD_ENTRY(NAME, T, W, VEC, VPT, CLUSTER)                                              \
@@ -1084,12 +1348,56 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
       const T* x, const W* w, const Elem<T>::Acc* rstd, const T* dy, const T* dh, T* dx,     \
       Wide<Elem<T>::Acc>* partial, Wide<Elem<T>::Acc>* dots, int n, int team, float offset,  \
       i64 chunk, i64 rows_per_group, i64 blocks_per_group) {                                 \
-    rmsnorm_bwd_impl<T, W, VEC, VPT, CLUSTER>(x, w, rstd, dy, dh, dx, partial, dots, n,      \
-                                              team, offset, chunk, rows_per_group,           \
-                                              blocks_per_group);                             \
+    rmsnorm_bwd_impl<T, W, VEC, VPT, CLUSTER, false>(x, w, nullptr, rstd, dy, dh, dx,        \
+                                                     partial, nullptr, dots, n, team, offset, \
+                                                     chunk, rows_per_group,                  \
+                                                     blocks_per_group);                      \
   }
 
-#define STAMP(XN, T, WN, W)                                                                   \
+#define LN_FWD_ENTRY(NAME, T, W, VEC, VPT)                                                    \
+  extern "C" __global__ void FWD_BOUNDS NAME(                                                \
+      const T* x, const W* w, const W* b, T* y, Elem<T>::Acc* mean, Elem<T>::Acc* rstd,      \
+      i64 rows, int n, int team, float eps, float offset, i64 rows_per_group) {             \
+    rmsnorm_fwd<T, W, VEC, VPT, false, true>(x, nullptr, w, b, y, nullptr, mean, rstd, rows,  \
+                                             n, team, eps, offset, rows_per_group);         \
+  }
+
+#define LN_RES_ENTRY(NAME, T, W, VEC, VPT)                                                    \
+  extern "C" __global__ void FWD_BOUNDS NAME(                                                \
+      const T* x, const T* residual, const W* w, const W* b, T* y, T* h, Elem<T>::Acc* mean, \
+      Elem<T>::Acc* rstd, i64 rows, int n, int team, float eps, float offset,               \
+      i64 rows_per_group) {                                                                  \
+    rmsnorm_fwd<T, W, VEC, VPT, true, true>(x, residual, w, b, y, h, mean, rstd, rows, n,     \
+                                            team, eps, offset, rows_per_group);             \
+  }
+
+#define LN_BWD_ENTRY(NAME, T, W, VEC, VPT)                                                    \
+  extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                \
+      const T* x, const W* w, const Elem<T>::Acc* mean, const Elem<T>::Acc* rstd,            \
+      const T* dy, const T* dh, T* dx, Wide<Elem<T>::Acc>* partial,                          \
+      Wide<Elem<T>::Acc>* partial_b, int n, int team, float offset, i64 chunk,               \
+      i64 rows_per_group, i64 blocks_per_group) {                                            \
+    rmsnorm_bwd_impl<T, W, VEC, VPT, false, true>(x, w, mean, rstd, dy, dh, dx, partial,     \
+                                                  partial_b, nullptr, n, team, offset, chunk, \
+                                                  rows_per_group, blocks_per_group);         \
+  }
+
+// LayerNorm's backward vectors per thread (see above; plan.rs's backward_vectors_per_thread).
+#define LN_BWD_VPT(T) (sizeof(T) == 4 ? 4 : 2)
+
+// KERNEL_NORMS: which norms' entry points a build stamps (a bit each): 1 the RMS norm's, 2
+// LayerNorm's; the finalize kernels with either. kernels.rs compiles one module per norm (1 or
+// 2), only when a call site of that norm needs it; the host emulator and the tests take both.
+#if !defined(KERNEL_NORMS)
+#if defined(__CUDACC_RTC__)
+#define KERNEL_NORMS 1
+#else
+#define KERNEL_NORMS 3
+#endif
+#endif
+
+#if KERNEL_NORMS & 1
+#define STAMP_RMS(XN, T, WN, W)                                                               \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)                    \
   FWD_ENTRY(rmsnorm_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)                                   \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
@@ -1099,6 +1407,23 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
   RES_ENTRY(rmsnorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)                          \
   BWD_ENTRY(rmsnorm_bwd_##XN##_w##WN##_c, T, W, (16 / sizeof(T)), (sizeof(T) == 4 ? 8 : 4), \
             true)
+#else
+#define STAMP_RMS(XN, T, WN, W)
+#endif
+
+#if KERNEL_NORMS & 2
+#define STAMP_LAYER(XN, T, WN, W)                                                             \
+  LN_FWD_ENTRY(layernorm_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)              \
+  LN_FWD_ENTRY(layernorm_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)                             \
+  LN_BWD_ENTRY(layernorm_bwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), LN_BWD_VPT(T))        \
+  LN_BWD_ENTRY(layernorm_bwd_##XN##_w##WN##_s, T, W, 1, 4)                                   \
+  LN_RES_ENTRY(layernorm_residual_fwd_##XN##_w##WN##_v, T, W, (16 / sizeof(T)), FWD_VPT)     \
+  LN_RES_ENTRY(layernorm_residual_fwd_##XN##_w##WN##_s, T, W, 1, FWD_VPT)
+#else
+#define STAMP_LAYER(XN, T, WN, W)
+#endif
+
+#define STAMP(XN, T, WN, W) STAMP_RMS(XN, T, WN, W) STAMP_LAYER(XN, T, WN, W)
 
 #define FINALIZE_ENTRY(AN, A, WN, W)                                                          \
   extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_finalize_##AN##_w##WN(        \
@@ -1125,7 +1450,8 @@ __device__ __forceinline__ void rmsnorm_bwd_finalize_impl(const Wide<A>* __restr
 
 // EMU_PAIRS (tests only): a host build of the emulator that runs a few pairs (ThreadSanitizer's,
 // the traffic model's, the planted bugs') names the STAMP and FINALIZE_ENTRY lines it needs, and
-// compiles a third of the 104 kernels' time. Never defined for the device.
+// compiles only their kernels (the whole table is 216: 13 per pair, 8 finalizes). Never defined
+// for the device.
 #if defined(EMU_PAIRS)
 EMU_PAIRS
 #else

@@ -110,12 +110,16 @@ fn a_bogus_search_path_gives_a_clear_error_listing_what_was_tried() {
 
 #[test]
 fn nvrtc_from_pip_compiles_the_kernels_when_available() {
-    // Exercised fully by tests/gpu_kernels.rs; here only if the search finds one.
+    // Exercised fully by tests/gpu_kernels.rs (both norms); here only if the search finds one,
+    // the RMS norm's module as the bundles compile it.
     let Ok(nvrtc) = driver::nvrtc() else { return };
-    let compiled = nvrtc
-        .compile(kernels::SOURCE, "rmsnorm.cu", "compute_80")
-        .unwrap();
-    for name in kernels::NAMES.iter() {
+    let source = kernels::source_for(&Default::default(), Norm::Rms);
+    let compiled = nvrtc.compile(&source, "rmsnorm.cu", "compute_80").unwrap();
+    for (name, _) in kernels::table(Norm::Rms) {
         assert!(compiled.ptx.contains(&format!(".entry {name}(")), "{name}");
     }
+    assert!(
+        !compiled.ptx.contains(".entry layernorm_"),
+        "LayerNorm's are a module of their own"
+    );
 }

@@ -1,5 +1,5 @@
 // A standalone run of the emulated kernels for the sanitizers (`make gpu-sanitize`): every
-// kernel family over shapes and over every team size the kernels accept (not only the ones
+// kernel family (LayerNorm's a sample) over shapes and over every team size the kernels accept (not only the ones
 // the Rust launch plan picks), with buffers of exactly the sizes a launch may touch (malloc, so
 // AddressSanitizer's redzones sit right behind them), each result checked against float64.
 //
@@ -7,8 +7,9 @@
 // host, and a standalone program keeps the sanitizer build small. Under ThreadSanitizer the
 // scheduler reports accesses of two CUDA threads that no barrier orders (see fibers.cpp).
 //
-// Usage: harness [quick|one]   (quick: the subset run under ThreadSanitizer; one: a single
-// multi-warp forward and backward, for checking that a planted race is reported)
+// Usage: harness [quick|one|layer]   (none: the RMS norm's full sweep; quick: the subset run
+// under ThreadSanitizer, both norms; one: a single multi-warp forward and backward, for checking
+// that a planted race is reported; layer: LayerNorm's sample, from a build of its pairs)
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,10 +239,139 @@ void run_case(Type xt, Type wt, bool weight, bool vec, size_t groups, size_t rpg
   }
 }
 
+// LayerNorm's kernels (rmsnorm.cu's layernorm_*): a forward with the weight (or none) and a bias
+// (or none), its fused residual forward, then the backward given the forward's mean and rstd
+// and the finalize of each gradient (the weight's partial rows, then the bias's after them in
+// the same scratch, as plan.rs lays them out), against float64. x's rows have mean `shift`.
+void run_layer_case(Type xt, Type wt, bool weight, bool bias, bool vec, size_t groups,
+                    size_t rpg, int n, int fwd_team, int bwd_team, int max_blocks, float offset,
+                    double shift) {
+  const size_t rows = groups * rpg, count = rows * (size_t)n;
+  const Type at = acc_of(xt);
+  const int VEC = vec ? (int)(16 / bytes_of(xt)) : 1;
+  if (n % VEC) return;
+  char name[128];
+  std::string tag = std::string("layer ") + kName[xt] + " w=" + (weight ? kName[wt] : "none") +
+                    (bias ? " bias" : "") + (vec ? " vec" : " scalar") +
+                    " groups=" + std::to_string(groups) + " rows=" + std::to_string(rpg) +
+                    " n=" + std::to_string(n) + " teams=" + std::to_string(fwd_team) + "/" +
+                    std::to_string(bwd_team) + " offset=" + std::to_string(offset) +
+                    " mean=" + std::to_string(shift);
+  const uint64_t offset_bits = f2u(offset != 0.0f ? offset : -0.0f);
+  const size_t wbytes = groups * n * bytes_of(wt);
+  Buffer x(count * bytes_of(xt)), dy(count * bytes_of(xt)), y(count * bytes_of(xt)),
+      dx(count * bytes_of(xt)), mean(rows * bytes_of(at)), rstd(rows * bytes_of(at)),
+      w(weight ? wbytes : 0), b(bias ? wbytes : 0), dw(weight ? wbytes : 0), db(bias ? wbytes : 0),
+      res(count * bytes_of(xt)), h(count * bytes_of(xt)), hy(count * bytes_of(xt)),
+      hmean(rows * bytes_of(at)), hrstd(rows * bytes_of(at));
+  uint64_t s = seed * 7919;
+  for (size_t i = 0; i < count; ++i) set(xt, x.p, i, shift + rnd(s)), set(xt, dy.p, i, rnd(s));
+  for (size_t i = 0; i < count; ++i) set(xt, res.p, i, rnd(s));
+  if (weight)
+    for (size_t i = 0; i < groups * n; ++i) set(wt, w.p, i, 1.0 + 0.25 * rnd(s));
+  if (bias)
+    for (size_t i = 0; i < groups * n; ++i) set(wt, b.p, i, 0.5 * rnd(s));
+  auto weight_at = [&](size_t i) { return weight ? (double)offset + get(wt, w.p, i) : 1.0; };
+  auto bias_at = [&](size_t i) { return bias ? get(wt, b.p, i) : 0.0; };
+  // float64 reference of rows `src` (x, or h): y, mean, rstd; and the backward's dx, dw, db.
+  auto forward_ref = [&](const void* src, std::vector<double>& ry, std::vector<double>& rm,
+                         std::vector<double>& rr) {
+    for (size_t r = 0; r < rows; ++r) {
+      double m = 0, v = 0;
+      for (int j = 0; j < n; ++j) m += get(xt, src, r * n + j);
+      m /= n;
+      for (int j = 0; j < n; ++j) v += (get(xt, src, r * n + j) - m) * (get(xt, src, r * n + j) - m);
+      const double rs = 1.0 / sqrt(v / n + (double)1e-5f);
+      rm[r] = m, rr[r] = rs;
+      for (int j = 0; j < n; ++j)
+        ry[r * n + j] = (get(xt, src, r * n + j) - m) * rs * weight_at((r / rpg) * n + j) +
+                        bias_at((r / rpg) * n + j);
+    }
+  };
+  std::vector<double> ry(count), rm(rows), rr(rows), rdx(count), rdw(groups * n, 0.0),
+      rdb(groups * n, 0.0);
+  forward_ref(x.p, ry, rm, rr);
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t g = r / rpg;
+    double mg = 0, mgx = 0;
+    for (int j = 0; j < n; ++j) {
+      const double xh = (get(xt, x.p, r * n + j) - rm[r]) * rr[r];
+      const double gv = get(xt, dy.p, r * n + j) * weight_at(g * n + j);
+      mg += gv, mgx += gv * xh;
+    }
+    mg /= n, mgx /= n;
+    for (int j = 0; j < n; ++j) {
+      const double xh = (get(xt, x.p, r * n + j) - rm[r]) * rr[r];
+      const double dv = get(xt, dy.p, r * n + j);
+      rdx[r * n + j] = rr[r] * (dv * weight_at(g * n + j) - mg - xh * mgx);
+      rdw[g * n + j] += dv * xh;
+      rdb[g * n + j] += dv;
+    }
+  }
+  const char* wn = (weight || bias) ? kName[wt] : kName[xt];
+  const double tol = tolerance(xt);
+  const unsigned fblock = fwd_team > 256 ? fwd_team : 256;
+  const size_t fteams = fblock / fwd_team;
+  if (rows > 0) {
+    snprintf(name, sizeof name, "layernorm_fwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+    launch(find(name), (unsigned)((rows + fteams - 1) / fteams), emu::Dim{fblock, 1, 1}, 0,
+           {x.addr(), weight ? w.addr() : 0, bias ? b.addr() : 0, y.addr(), mean.addr(),
+            rstd.addr(), rows, (uint64_t)n, (uint64_t)fwd_team, f2u(1e-5f), offset_bits, rpg});
+    check("layer y", tag, xt, y.p, ry, tol);
+    check("layer rstd", tag, at, rstd.p, rr, tol);
+    snprintf(name, sizeof name, "layernorm_residual_fwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+    launch(find(name), (unsigned)((rows + fteams - 1) / fteams), emu::Dim{fblock, 1, 1}, 0,
+           {x.addr(), res.addr(), weight ? w.addr() : 0, bias ? b.addr() : 0, hy.addr(), h.addr(),
+            hmean.addr(), hrstd.addr(), rows, (uint64_t)n, (uint64_t)fwd_team, f2u(1e-5f),
+            offset_bits, rpg});
+    std::vector<double> rhy(count), rhm(rows), rhr(rows);
+    forward_ref(h.p, rhy, rhm, rhr);
+    check("layer residual y", tag, xt, hy.p, rhy, tol);
+  }
+  // Backward: blocks of 512, LayerNorm's vectors per thread (rmsnorm.cu's LN_BWD_VPT).
+  const int vpt = vec && bytes_of(xt) != 4 ? 2 : 4;
+  const int teams = 512 / bwd_team;
+  const bool cached = n / VEC <= bwd_team * vpt;
+  if (!cached && bwd_team != 512) return;  // the streaming path takes one team per block
+  const int grads = (int)weight + (int)bias;
+  const unsigned smem =
+      (teams > 1 && cached) ? (grads ? grads : 1) * n * (unsigned)wide_bytes_of(at) : 0;
+  size_t bpg = rpg ? (rpg + teams - 1) / teams : 1;
+  if (bpg > (size_t)max_blocks) bpg = max_blocks;
+  const size_t chunk = rpg ? (rpg + bpg - 1) / bpg : 1;
+  bpg = rpg ? (rpg + chunk - 1) / chunk : 1;
+  const size_t row_bytes = groups * bpg * n * wide_bytes_of(at);
+  Buffer partial(grads * row_bytes);
+  const uint64_t pw = weight ? partial.addr() : 0;
+  const uint64_t pb = bias ? partial.addr() + (weight ? row_bytes : 0) : 0;
+  if (rows > 0) {
+    snprintf(name, sizeof name, "layernorm_bwd_%s_w%s_%s", kName[xt], wn, vec ? "v" : "s");
+    launch(find(name), (unsigned)(groups * bpg), emu::Dim{512, 1, 1}, smem,
+           {x.addr(), weight ? w.addr() : 0, mean.addr(), rstd.addr(), dy.addr(), 0, dx.addr(),
+            pw, pb, (uint64_t)n, (uint64_t)bwd_team, offset_bits, chunk, rpg, bpg});
+    check("layer dx", tag, xt, dx.p, rdx, tol * 4);
+  }
+  const bool narrow = at == F32 && teams == 1 && chunk <= 8;
+  const double gtol = (tolerance(wt) > tol ? tolerance(wt) : tol) * 4 * sqrt((double)rpg + 1);
+  snprintf(name, sizeof name, "rmsnorm_bwd_finalize_%s_w%s", kName[at], wn);
+  if (weight) {
+    launch(find(name), (unsigned)(groups * ((n + 31) / 32)), emu::Dim{32, 8, 1}, 0,
+           {pw, rows ? bpg : 0, (uint64_t)n, (uint64_t)narrow, dw.addr()});
+    check("layer dw", tag, wt, dw.p, rdw, gtol);
+  }
+  if (bias) {
+    launch(find(name), (unsigned)(groups * ((n + 31) / 32)), emu::Dim{32, 8, 1}, 0,
+           {pb, rows ? bpg : 0, (uint64_t)n, (uint64_t)narrow, db.addr()});
+    check("layer db", tag, wt, db.p, rdb, gtol);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && !strcmp(argv[1], "quick");
+  const bool layer_only = argc > 1 && !strcmp(argv[1], "layer");
+  const bool rms = !layer_only, layer = quick || layer_only;
   if (argc > 1 && !strcmp(argv[1], "one")) {
     run_case(F32, F32, true, true, 1, 3, 2048, 512, 512, 2, 0.0f, false);
     printf("harness: 1 case, %d launches, %d failures\n", launches, failures);
@@ -264,7 +394,7 @@ int main(int argc, char** argv) {
   // the vector path (the scalar one reads one weight element per access whatever its dtype)
   // with the smallest and the largest teams on every shape: the ASan run stays within the time
   // of the 7 pairs before (the harness at 6f80d76: 76 s on 2 cores).
-  for (int xi = 0; xi < 4; ++xi)
+  for (int xi = 0; xi < (rms ? 4 : 0); ++xi)
     for (int wi = -1; wi < 4; ++wi) {
       const Type xt = (Type)xi, wt = wi < 0 ? xt : (Type)wi;
       const bool weight = wi >= 0;
@@ -292,6 +422,32 @@ int main(int argc, char** argv) {
               }
           }
     }
+  // LayerNorm: a sample, not the whole sweep again (its kernels are the same code with a
+  // mean): float32 and bfloat16 x with a float32 weight and a bias, and without either; float64
+  // and float16 with their own dtype's (sanitize.sh's `layer_pairs`); the scalar and vector
+  // paths, teams from under a warp to a block, several rows per team (the bias's partial row
+  // beside the weight's in shared memory), batched weights, streaming rows, and rows of mean
+  // 1e4.
+  const Shape layer_full[] = {{1, 9, 67}, {1, 40, 256}, {3, 2, 64}, {1, 2, 20000}, {2, 0, 16}};
+  const Shape layer_small[] = {{1, 9, 64}, {2, 3, 256}};
+  struct Pair { Type x, w; bool weight, bias; };
+  const Pair layer_pairs[] = {{F32, F32, true, true}, {BF16, F32, true, true},
+                              {BF16, BF16, false, false}, {F64, F64, true, true},
+                              {F16, F16, false, true}};
+  for (const Pair& p : layer_pairs) {
+    if (!layer || (quick && !(p.x == F32 || (p.x == BF16 && p.weight)))) continue;
+    for (const Shape& s : (quick ? std::vector<Shape>(layer_small, layer_small + 2)
+                                 : std::vector<Shape>(layer_full, layer_full + 5)))
+      for (int vec = quick ? 1 : 0; vec < 2; ++vec)
+        for (int team : teams) {
+          if (team == 64) continue;
+          const int turn = cases % 3;
+          run_layer_case(p.x, p.w, p.weight, p.bias, vec, s.groups, s.rows, s.n,
+                         team > 256 ? 1024 : team, team < 32 ? 32 : team, quick ? 2 : 3,
+                         offsets[turn], p.x == F32 && turn == 2 ? 1e4 : 0.0);
+          ++cases;
+        }
+  }
   printf("harness: %d cases, %d launches, %d failures\n", cases, launches, failures);
   return failures ? 1 : 0;
 }
