@@ -1,6 +1,6 @@
-"""The RMS norm of rows split over devices, as jnp: the CUDA path (whose kernels take whole
-rows) for x's last (normalized) axis sharded over mesh axes. On the CPU, both norms run the
-targets' split passes instead (`_split`).
+"""Both norms of rows split over devices, as jnp: the CUDA path (whose kernels take whole rows)
+for x's last (normalized) axis sharded over mesh axes. On the CPU, both norms run the targets'
+split passes instead (`_split`).
 
 `_partitioning` runs these per shard when x's last axis is sharded over mesh axes ``H``
 (tensor-parallel activations) and divides evenly over them, on a platform other than the CPU. No device then holds a whole row,
@@ -18,6 +18,13 @@ float32 the kernels get, the weight applied as ``offset + w`` in the accumulatio
 (plus ``dh`` before the one rounding), ``dweight = sum over rows of dy * (x * r)``. The
 kernels total their row sums in float64 with compensation; here the local sums and the
 all-reduce are in the accumulation dtype, which differs from them in the last bits only.
+
+LayerNorm (`layer_forward`, `layer_backward`) as the kernels take it (src/handlers/math/layer.rs):
+the mean ``m`` from one all-reduce of the row sums, then the shift ``d = mean(x - m)`` and the
+variance ``mean((x - m)^2) - d^2`` from a second of two floats per row (never ``E[x^2] -
+E[x]^2``), ``y = ((x - m) - d) * r * w + b``; the backward, given ``m`` and ``r``, one
+all-reduce of three floats per row (``sum(x - m)``, ``sum(g)``, ``sum(g (x - m))``), ``dx = r *
+(g - mean(g) - xhat * mean(g xhat))``, ``dweight = sum dy * xhat``, ``dbias = sum dy``.
 
 Shapes: x ``(*rows, n_local)``, a weight ``(*wb, n_local)`` (``wb`` the weight's batch
 dimensions, a prefix of the rows) or None, rstd ``rows``. ``axes`` are the mesh axes of ``H``
@@ -104,7 +111,65 @@ def backward(x, weight, rstd, dy, eps, offset: float, axes: tuple, n: int, row_a
         dx = dx + _widen(dh, acc)
     if weight is None:
         return dx.astype(x.dtype), None
-    dw = jnp.sum(dyf * xhat, axis=tuple(range(weight.ndim - 1, x.ndim - 1)))
+    return dx.astype(x.dtype), _param_grad(dyf * xhat, weight, x.ndim, row_axes)
+
+
+def _param_grad(grad, param, x_ndim: int, row_axes: tuple):
+    """A weight-shaped gradient: summed over the rows this device holds beyond the parameter's
+    batch dimensions, then over ``row_axes``, rounded once to the parameter's dtype."""
+    grad = jnp.sum(grad, axis=tuple(range(param.ndim - 1, x_ndim - 1)))
     if row_axes:
-        dw = jax.lax.psum(dw, row_axes)
-    return dx.astype(x.dtype), dw.astype(weight.dtype)
+        grad = jax.lax.psum(grad, row_axes)
+    return grad.astype(param.dtype)
+
+
+def layer_forward(x, weight, bias, eps, offset: float, axes: tuple, n: int, residual=None):
+    """LayerNorm's ``(y, mean, rstd)``, or with a residual ``(y, h, mean, rstd)``: two
+    all-reduces over ``axes``, of one and of two floats per row."""
+    acc = acc_dtype(x.dtype)
+    h = x if residual is None else x + residual
+    hf = _widen(h, acc)
+    nf = jnp.asarray(n, acc)
+    mean = jax.lax.psum(jnp.sum(hf, axis=-1), axes) / nf
+    c = hf - mean[..., None]
+    sums = jax.lax.psum(jnp.stack([jnp.sum(c, axis=-1), jnp.sum(c * c, axis=-1)], axis=-1), axes)
+    d = sums[..., 0] / nf
+    var = jnp.maximum(sums[..., 1] / nf - d * d, jnp.zeros((), acc))
+    rstd = jax.lax.rsqrt(var + jnp.asarray(np.float32(eps), acc))
+    y = (c - d[..., None]) * rstd[..., None]
+    w = _rows(_widen(weight, acc), x.ndim, acc, offset)
+    if w is not None:
+        y = y * w
+    b = _rows(_widen(bias, acc), x.ndim, acc, 0.0)
+    if b is not None:
+        y = y + b
+    y = y.astype(x.dtype)
+    return (y, mean, rstd) if residual is None else (y, h, mean, rstd)
+
+
+def layer_backward(x, weight, bias, mean, rstd, dy, offset: float, axes: tuple, n: int,
+                   row_axes: dict, dh=None):
+    """LayerNorm's ``(dx, dweight, dbias)`` of this device's slice, given the forward's mean and
+    rstd (None for the gradients the call has not: no weight, no bias): one all-reduce over
+    ``axes`` of three floats per row. ``row_axes`` maps ``"w"`` and ``"b"`` to the mesh axes
+    their gradients are summed over (see `backward`)."""
+    acc = acc_dtype(x.dtype)
+    xf, dyf = _widen(x, acc), _widen(dy, acc)
+    w = _rows(_widen(weight, acc), x.ndim, acc, offset)
+    g = dyf if w is None else dyf * w
+    m, r = mean.astype(acc)[..., None], rstd.astype(acc)[..., None]
+    c = xf - m
+    sums = jax.lax.psum(
+        jnp.stack([jnp.sum(c, axis=-1), jnp.sum(g, axis=-1), jnp.sum(g * c, axis=-1)], axis=-1), axes
+    )
+    nf = jnp.asarray(n, acc)
+    d = (sums[..., 0] / nf)[..., None]
+    c1 = (sums[..., 1] / nf)[..., None]
+    c2 = ((sums[..., 2] - d[..., 0] * sums[..., 1]) / nf)[..., None] * r
+    xhat = (c - d) * r
+    dx = r * (g - c1 - xhat * c2)
+    if dh is not None:
+        dx = dx + _widen(dh, acc)
+    dw = None if weight is None else _param_grad(dyf * xhat, weight, x.ndim, row_axes.get("w", ()))
+    db = None if bias is None else _param_grad(dyf, bias, x.ndim, row_axes.get("b", ()))
+    return dx.astype(x.dtype), dw, db

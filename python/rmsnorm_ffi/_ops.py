@@ -158,7 +158,7 @@ def _check_eps(op: str, eps) -> float:
     return eps
 
 
-def _check_platform(op: str, target: str = FORWARD_TARGET, norm: str = "rms") -> None:
+def _check_platform(op: str, target: str = FORWARD_TARGET) -> None:
     platforms = register()
     backend = jax.default_backend()
     # JAX calls a CUDA backend "gpu"; its bundles are registered for platform "cuda".
@@ -168,11 +168,6 @@ def _check_platform(op: str, target: str = FORWARD_TARGET, norm: str = "rms") ->
         raise NotImplementedError(
             f"{op}: no rmsnorm_ffi implementation for platform '{backend}' in this build "
             f"(available: {', '.join(platforms) or 'none'})"
-        )
-    if norm != "rms" and backend != "cpu":
-        raise NotImplementedError(
-            f"{op}: LayerNorm runs on the CPU in this build; the {backend} kernels are the RMS "
-            "norm's (use flax.linen.LayerNorm's jnp math there)"
         )
     if target not in registered_targets(backend):
         have = [p for p in platforms if target in registered_targets(p)]
@@ -306,7 +301,7 @@ def layer_norm_fwd(x, weight=None, bias=None, eps: float = 1e-5, *, scale_offset
     against their spread keep their digits."""
     op = "layer_norm_fwd"
     x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
-    _check_platform(op, norm="layer")
+    _check_platform(op)
     y, mean, rstd = _primitives.forward(_rows(x, k), weight, eps, offset, bias=bias, norm="layer")
     return y.reshape(x.shape), mean, rstd
 
@@ -340,7 +335,7 @@ def layer_norm_bwd(x, weight, mean, rstd, dy, *, has_bias: bool = False, bias_dt
     if has_bias:
         dtype = weight.dtype if weight is not None else jnp.dtype(bias_dtype or x.dtype)
         bias = _check_bias(op, x, jnp.zeros(x.shape[x.ndim - k:], dtype), weight, k)
-    _check_platform(op, BACKWARD_TARGET, norm="layer")
+    _check_platform(op, BACKWARD_TARGET)
     dx, dweight, dbias = _primitives.backward(
         _rows(x, k), weight, tuple(stats), _rows(dy, k), offset=offset, norm="layer", bias=bias
     )
@@ -360,7 +355,7 @@ def layer_norm_residual(x, residual, weight=None, bias=None, eps: float = 1e-5, 
     op = "layer_norm_residual"
     x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
     residual = _check_residual(op, x, residual)
-    _check_platform(op, RESIDUAL_TARGET, norm="layer")
+    _check_platform(op, RESIDUAL_TARGET)
     y, h, *_ = _primitives.residual_forward(_rows(x, k), _rows(residual, k), weight, eps, offset, bias=bias, norm="layer")
     return y.reshape(x.shape), h.reshape(x.shape)
 
@@ -380,7 +375,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, scale_offset=0.0
     """
     op = "layer_norm"
     x, weight, bias, eps, offset, k = _check_layer(op, x, weight, bias, eps, scale_offset, axis)
-    _check_platform(op, norm="layer")
+    _check_platform(op)
     return _primitives.forward(_rows(x, k), weight, eps, offset, bias=bias, norm="layer")[0].reshape(x.shape)
 
 

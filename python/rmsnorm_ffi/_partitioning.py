@@ -11,8 +11,8 @@ the primitives carry), its partitioning callback runs the call per shard:
   (tensor-parallel activations): each device runs the targets' split passes on its slice of
   every row (`_split`: a sums pass, an all-reduce over H of a few floats per row, never the
   activations, and an apply pass; the RMS norm's one all-reduce forward and backward,
-  LayerNorm's two forward and one backward). On CUDA, whose kernels take whole rows, the RMS
-  norm's split rows run as `_hidden`'s jnp. The weight (and bias) is resharded to follow x's
+  LayerNorm's two forward and one backward). On CUDA, whose kernels take whole rows, split
+  rows run as `_hidden`'s jnp (the same all-reduces). The weight (and bias) is resharded to follow x's
   last axis (a replicated weight is sliced, not moved) and its gradient comes back split the
   same way. A last axis that does not divide evenly over H is gathered instead, and so is
   then the weight;
@@ -347,11 +347,9 @@ def _masked(mask, x, stats: tuple, dy, dh=None):
 # The four partitioned calls
 
 
-def _on_split_rows(form: Form, kernels, jnp_rows, operands: dict):
-    """`kernels(**operands)` (the split passes, CPU only), or for the RMS norm on another
-    platform `jnp_rows(**operands)` (`_hidden`): chosen when lowering for the platform."""
-    if form.norm != "rms":
-        return kernels(**operands)
+def _on_split_rows(kernels, jnp_rows, operands: dict):
+    """`kernels(**operands)` (the split passes, CPU only), or on another platform
+    `jnp_rows(**operands)` (`_hidden`): chosen when lowering for the platform."""
     names = tuple(operands)
 
     def call(fn):
@@ -368,13 +366,15 @@ def _per_shard_forward(eps, form: Form, offset: float = 0.0, hidden: tuple = (),
     def kernels(x, w=None, b=None, res=None):
         return _split.forward(x, w, b, eps, _offset_attrs(offset), form.attrs(), form.norm, hidden, n, residual=res)
 
-    def jnp_rows(x, w=None, res=None):
+    def jnp_rows(x, w=None, b=None, res=None):
+        if form.norm == "layer":
+            return _hidden.layer_forward(x, w, b, eps, offset, hidden, n, residual=res)
         return _hidden.forward(x, w, eps, offset, hidden, n, residual=res)
 
     def run(*operands):
         o = dict(zip(layout, operands))
         if hidden:
-            return _on_split_rows(form, kernels, jnp_rows, o)
+            return _on_split_rows(kernels, jnp_rows, o)
         return _forward_call(
             o["x"], o.get("w"), eps, typed=False, residual=o.get("res"), offset=offset, bias=o.get("b"),
             norm=form.norm,
@@ -433,12 +433,18 @@ def _per_shard_backward(mesh, arg_shapes, eps, form: Form, offset: float = 0.0):
                 )
                 return tuple(g for g in (dx, dw, db) if g is not None)
 
-            def jnp_rows(x, dy, w=None, dh=None, rstd=None):
-                dx, dw = _hidden.backward(x, w, rstd, dy, eps_, offset, hidden, x_global[-1], row_axes.get("w", ()), dh)
-                return (dx,) if dw is None else (dx, dw)
+            def jnp_rows(x, dy, w=None, b=None, dh=None, rstd=None, mean=None):
+                if form.norm == "layer":
+                    dx, dw, db = _hidden.layer_backward(
+                        x, w, b, mean, rstd, dy, offset, hidden, x_global[-1], row_axes, dh
+                    )
+                else:
+                    dx, dw = _hidden.backward(x, w, rstd, dy, eps_, offset, hidden, x_global[-1], row_axes.get("w", ()), dh)
+                    db = None
+                return tuple(g for g in (dx, dw, db) if g is not None)
 
             present = dict(x=x, dy=dy, w=o.get("w"), b=o.get("b"), dh=dh, **dict(zip(form.stats, stats)))
-            out = _on_split_rows(form, kernels, jnp_rows, {k: v for k, v in present.items() if v is not None})
+            out = _on_split_rows(kernels, jnp_rows, {k: v for k, v in present.items() if v is not None})
             dx, rest = out[0], list(out[1:])
             dw = rest.pop(0) if "w" in o else None
             db = rest.pop(0) if "b" in o else None
