@@ -14,9 +14,12 @@ Sections, in order (each skipped, and recorded as skipped, when its estimate no 
     scalar, cached and streaming paths and q/k rows, against float64 and the CPU bundle; every
     variant against the default plan (bitwise where it keeps the reduction order, within the
     tolerance where fwd_vpt or fwd_bounds may change it); rows holding NaN, +-inf and squares
-    past float32 (the bfloat16 pair rounding's fallback) classified as the CPU's.
+    past float32 (the bfloat16 pair rounding's fallback) classified as the CPU's. LayerNorm's
+    kernels too (forward with weight and bias, backward with dweight and dbias, fused residual;
+    float32 rows of mean 1e4 and 1e6 times their spread) against float64 and the CPU bundle.
  3. timing: kernel-only times (see `kernel_times`) per (dtype, direction, M, N), bfloat16
-    first, forward, backward (dy a distinct buffer) and fused residual, M in {4096, 16384,
+    first, forward, backward (dy a distinct buffer), LayerNorm's forward and backward (`lnf`,
+    `lnb`: ours against jnp's flax.linen.LayerNorm math) and fused residual, M in {4096, 16384,
     1024} x N in {1024..16384} and the q/k rows; buffers rotated past 4x the L2; the median and
     the interquartile range over the timed calls. Stops early to leave time for 4-6.
  4. winners: per (dtype, direction, N) the fastest variant of ours (geometric mean over M of
@@ -92,7 +95,8 @@ import gpu_common  # noqa: E402
 from gpu_common import TOL, err, ref_np  # noqa: E402
 
 PLAN_ENV = "RMSNORM_FFI_GPU_PLAN"
-FWD, ALL = ("fwd", "res"), ("fwd", "bwd", "res")
+FWD, ALL = ("fwd", "res"), ("fwd", "bwd", "res", "lnf", "lnb")
+LAYER = ("lnf", "lnb")  # LayerNorm's directions: ours (the default plan) against jnp
 # The variants swept: name -> (RMSNORM_FFI_GPU_PLAN value, directions it changes). Data: a
 # backward knob is one more line here with ("bwd",).
 VARIANTS = {
@@ -236,6 +240,8 @@ def implementation(impl: str, direction: str, w, xs: list, i: int):
     """(jax function, its arguments for call i of the rotation over xs): dy and the residual
     are the next buffer, so no fused jnp backward reads one array for both."""
     x, nxt = xs[i % len(xs)], xs[(i + 1) % len(xs)]
+    if direction in LAYER:
+        return layer_implementation(impl, direction, w, x, nxt)
     ref = rmsnorm_ffi.rms_norm_reference
     norm = {"ours": lambda x, w: rmsnorm_ffi.rms_norm_fwd(x, w)[0], "jnp": ref}.get(impl)
     if impl in OTHERS:
@@ -254,11 +260,28 @@ def implementation(impl: str, direction: str, w, xs: list, i: int):
     return (lambda x, r: (norm(x + r, w), x + r)), (x, nxt)
 
 
+def layer_implementation(impl: str, direction: str, w, x, nxt):
+    """LayerNorm's: ours (layer_norm_fwd / layer_norm_bwd with weight and bias, the bias the
+    weight's dtype) or jnp (flax.linen.LayerNorm's math: rmsnorm_ffi.layer_norm_reference),
+    the weight standing in for the bias too."""
+    if impl == "copy":
+        return (lambda x: x * jnp.asarray(1.0001, x.dtype)), (x,)
+    if impl == "ours":
+        if direction == "lnf":
+            return (lambda x: rmsnorm_ffi.layer_norm_fwd(x, w, w)[0]), (x,)
+        _, m, r = rmsnorm_ffi.layer_norm_fwd(x, w, w)  # the statistics outside the timed call
+        return (lambda x, m, r, dy: rmsnorm_ffi.layer_norm_bwd(x, w, m, r, dy, has_bias=True)), (x, m, r, nxt)
+    norm = rmsnorm_ffi.layer_norm_reference
+    if direction == "lnf":
+        return (lambda x: norm(x, w, w)), (x,)
+    return (lambda x, dy: jax.vjp(norm, x, w, w)[1](dy)), (x, nxt)  # dx, dw and db, as ours
+
+
 def impls_for(direction: str) -> list[tuple[str, str]]:
     """(implementation, variant) pairs timed for a direction, ours first, the copy last."""
     out = [("ours", name) for name, (_, dirs) in VARIANTS.items() if direction in dirs]
     out.append(("jnp", "-"))
-    if direction != "res":
+    if direction not in ("res",) + LAYER:
         out += [(name, "-") for name, f in OTHERS.items() if callable(f)]
         out += [(name, "-") for name, f in TORCH.items() if callable(f)]
     return out + [("copy", "xla_loop_fusion")] + ([("copy", "cupy_uint4")] if direction == "fwd" and cupy_copy() else [])
@@ -549,6 +572,57 @@ def smoke():
     return ok, f"{DEVICE}; {len(VARIANTS)} variants" + (f"; bad: {bad}" if bad else "")
 
 
+def ref_layer_np(x, w, b, dy, eps=gpu_common.EPS):
+    """LayerNorm's float64 y, mean, rstd, dx, dw, db (two-pass variance)."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    w, b = np.asarray(w, np.float64), np.asarray(b, np.float64)
+    n = x.shape[-1]
+    mean = x.mean(-1, keepdims=True)
+    r = 1.0 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + float(np.float32(eps)))
+    xhat = (x - mean) * r
+    g = dy * w
+    dx = r * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return xhat * w + b, mean[..., 0], r[..., 0], dx, (dy * xhat).reshape(-1, n).sum(0), dy.reshape(-1, n).sum(0)
+
+
+def layer_correctness(fault: float) -> None:
+    """LayerNorm's kernels on the device (the default plan) against float64 and the CPU bundle:
+    the scalar, cached and streaming paths, weight and bias, and float32 rows whose mean is 1e4
+    and 1e6 times their spread (a naive variance loses every digit there)."""
+    shapes = [(7, 1003), (64, 4096), (4, 40000), (300, 64)]
+    if OPTS.dry_run or OPTS.quick:
+        shapes = [(7, 1003), (33, 2048)]
+    cases = [(dt, shape, 0.0) for dt in (jnp.bfloat16, jnp.float32, jnp.float16) for shape in shapes]
+    cases += [(jnp.float32, (64, 4096), 1e4), (jnp.float32, (16, 1024), 1e6)]
+    for dt, shape, mean in cases:
+        name = jnp.dtype(dt).name
+        tol = TOL[name]
+        xh = np.asarray(jnp.asarray(RNG.standard_normal(shape) + mean, dt))
+        dyh, rh = normal(shape, dt), normal(shape, dt)
+        wh = np.asarray(jnp.asarray(RNG.uniform(0.5, 1.5, shape[-1]), dt))
+        bh = np.asarray(jnp.asarray(RNG.uniform(-1, 1, shape[-1]), dt))
+        y64, m64, r64, dx64, dw64, db64 = ref_layer_np(xh, wh, bh, dyh)
+        x, dy, r, w, b = on(xh), on(dyh), on(rh), on(wh), on(bh)
+        y, m, rstd = jax.jit(rmsnorm_ffi.layer_norm_fwd)(x, w, b)
+        dx, dw, db = jax.jit(lambda *a: rmsnorm_ffi.layer_norm_bwd(*a, has_bias=True))(x, w, m, rstd, dy)
+        ry, rh_out = jax.jit(rmsnorm_ffi.layer_norm_residual)(x, r, w, b)
+        hh = np.asarray(jnp.asarray(xh.astype(np.float32) + rh.astype(np.float32), dt))
+        tag = f"layer {name} {shape} mean {mean:g}"
+        check(f"y {tag}", err(y, y64 * fault) <= tol, f"{err(y, y64 * fault):.1e}")
+        check(f"rstd {tag}", err(rstd, r64) <= tol, f"{err(rstd, r64):.1e}")
+        check(f"dx {tag}", err(dx, dx64) <= 4 * tol, f"{err(dx, dx64):.1e}")
+        check(f"dw {tag}", err(dw, dw64) <= 4 * tol * math.sqrt(shape[0]), f"{err(dw, dw64):.1e}")
+        check(f"db {tag}", err(db, db64) <= 4 * tol * math.sqrt(shape[0]), f"{err(db, db64):.1e}")
+        check(f"res h {tag}", np.array_equal(np.asarray(rh_out).view(np.uint8), hh.view(np.uint8)))
+        check(f"res y {tag}", err(ry, ref_layer_np(hh, wh, bh, dyh)[0] * fault) <= tol)
+        if not OPTS.dry_run:  # on the stand-in the CPU bundle is the device itself
+            cy, cm, cr = jax.jit(rmsnorm_ffi.layer_norm_fwd)(on(xh, CPU), on(wh, CPU), on(bh, CPU))
+            cdx = jax.jit(lambda *a: rmsnorm_ffi.layer_norm_bwd(*a, has_bias=True))(
+                on(xh, CPU), on(wh, CPU), cm, cr, on(dyh, CPU))[0]
+            check(f"y~cpu {tag}", err(y, cy) <= 2 * tol, f"{err(y, cy):.1e}")
+            check(f"dx~cpu {tag}", err(dx, cdx) <= 8 * tol, f"{err(dx, cdx):.1e}")
+
+
 @section("correctness", needs=40 if OPTS.dry_run else 60)
 def correctness():
     """Ours on the device against float64 and the CPU bundle; every variant against the
@@ -610,6 +684,7 @@ def correctness():
             same = (np.array_equal(np.isnan(g), np.isnan(c)) and np.array_equal(np.isinf(g), np.isinf(c))
                     and np.array_equal(g[np.isinf(g)], c[np.isinf(c)]))
             check(f"non-finite {jnp.dtype(dt).name} {variant}", same and err(g[fin], c[fin] * fault) <= 2 * TOL[jnp.dtype(dt).name])
+    layer_correctness(fault)
     bad = CHECKS["bad"]
     LOG.record("correctness", checks=CHECKS["count"], failures=bad[:50], plans_seen=plans_seen())
     return not bad, f"{CHECKS['count']} checks, {len(bad)} failed" + (f": {bad[:3]}" if bad else "")
@@ -636,7 +711,7 @@ def time_shape(dt, direction: str, M: int, N: int, cross_check: bool) -> int:
     xs = jax.block_until_ready([make(k) for k in jax.random.split(jax.random.key(M * 7 + N), nbuf)])
     w = on(jnp.asarray(RNG.uniform(0.5, 1.5, N), dt))
     torch_xs = None
-    if any(callable(f) for f in TORCH.values()) and direction != "res":
+    if any(callable(f) for f in TORCH.values()) and direction in ("fwd", "bwd"):
         import torch
 
         torch_xs = [torch.from_dlpack(x) for x in xs]
@@ -692,7 +767,7 @@ def time_shape(dt, direction: str, M: int, N: int, cross_check: bool) -> int:
 def timing():
     shapes, done, stopped = shape_list(), 0, None
     estimate = 2.0
-    for dt, direction in itertools.product((jnp.bfloat16, jnp.float32), ("fwd", "bwd", "res")):
+    for dt, direction in itertools.product((jnp.bfloat16, jnp.float32), ("fwd", "bwd", "lnf", "lnb", "res")):
         for i, (M, N) in enumerate(shapes):
             if LOG.left() - RESERVE < 1.5 * estimate:
                 stopped = f"stopped for time before {jnp.dtype(dt).name} {direction} {M}x{N}"
@@ -706,10 +781,11 @@ def timing():
 
 def winners_of(rows: list[dict]) -> dict:
     """{(dtype, direction, N): (variant, score)}: the variant of ours whose time over the
-    default's, geometric mean over the M measured for both, is lowest (the default scores 1)."""
+    default's, geometric mean over the M measured for both, is lowest (the default scores 1).
+    LayerNorm's directions time the default plan alone: nothing to choose."""
     ours = {}
     for r in rows:
-        if r["implementation"] == "ours" and r.get("median_us"):
+        if r["implementation"] == "ours" and r.get("median_us") and r["direction"] not in LAYER:
             ours[(r["dtype"], r["direction"], r["N"], r["M"], r["variant"])] = r["median_us"]
     best = {}
     for (dtype, direction, N, M, variant) in ours:
@@ -847,7 +923,7 @@ def train():
 # The table
 # ---------------------------------------------------------------------------------------------
 
-MOVES = {"fwd": 2, "bwd": 3, "res": 4}  # row arrays read + written, in units of M*N elements
+MOVES = {"fwd": 2, "bwd": 3, "res": 4, "lnf": 2, "lnb": 3}  # row arrays read + written, in units of M*N elements
 
 
 def table() -> str:
