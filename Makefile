@@ -97,7 +97,7 @@ gpu-emulate: $(DEPS)
 # The emulated kernels under AddressSanitizer+UBSan (full sweep) and ThreadSanitizer (a subset,
 # and a planted race it must report), in a standalone C++ harness: TSan cannot see through the
 # uninstrumented Rust host; LayerNorm's kernels a sample. 684 s on this VM in stop 53 (its RMS sweep,
-# unchanged, about 6 minutes of that).
+# unchanged, 6-8 minutes of that across runs here).
 gpu-sanitize:
 	tests/cuda_emulator/sanitize.sh target/gpu-sanitize
 
