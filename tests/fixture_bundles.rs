@@ -57,12 +57,38 @@ fn context_queries_and_thread_pool() {
         ctx.device_ordinal = 2;
         ctx.run_id = 77;
         let mut frame = FrameBuilder::new(Stage::Execute)
-            .ret(OwnedBuffer::zeros(DataType::S32, &[6]))
+            .ret(OwnedBuffer::zeros(DataType::S32, &[8]))
             .build(&ctx);
         frame
             .call(CONTEXT_BUNDLE.handler(Stage::Execute).unwrap())
             .unwrap();
-        assert_eq!(frame.result(0).values::<i32>(), vec![3, 2, 77, 1, 0, 3]);
+        assert_eq!(
+            frame.result(0).values::<i32>(),
+            vec![3, 2, 77, 1, 0, 5, 0, 0]
+        );
+    }
+}
+
+#[test]
+fn the_context_probe_sees_what_api_0_5_offers_and_nothing_on_0_3() {
+    let mut ctx = FakeContext::new();
+    ctx.attach_collectives((0, 2));
+    ctx.set_custom_options(&[
+        ("a".into(), OwnedAttr::scalar(1i32)),
+        ("b".into(), OwnedAttr::string("x")),
+    ]);
+    for (api, expected) in [
+        (fake::api(), [0, 5, 1, 2]),
+        (fake::api_v0_3(), [0, 3, 0, -1]),
+    ] {
+        let mut frame = FrameBuilder::new(Stage::Execute)
+            .api(api)
+            .ret(OwnedBuffer::zeros(DataType::S32, &[8]))
+            .build(&ctx);
+        frame
+            .call(CONTEXT_BUNDLE.handler(Stage::Execute).unwrap())
+            .unwrap();
+        assert_eq!(frame.result(0).values::<i32>()[4..], expected);
     }
 }
 

@@ -3,6 +3,7 @@ the test fixtures' library (registered with `rmsnorm_ffi.register_library`)."""
 
 import pathlib
 import re
+import textwrap
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from rmsnorm_ffi import _native, rms_norm, rms_norm_reference
 
 import testing_bundles as testing
+from conftest import run_python
 
 
 def test_stage_counts_on_cpu(fresh_caches):
@@ -38,16 +40,48 @@ def header_api_version() -> tuple[int, int]:
     return major, minor
 
 
-def test_the_installed_runtime_runs_our_api_0_3_handlers():
-    # Our handlers report API 0.3 at registration (the metadata answer); the runtime is whatever
-    # jaxlib is installed: 0.3 with jax 0.10.2, 0.5 with jax 0.12 (make python-test-new). It
-    # accepted them, ran the library's handler and the extension's, and says which it is.
+def test_the_installed_runtime_runs_our_handlers_at_the_newest_api_both_speak():
+    # Our handlers report at registration (the metadata answer) the newest API both they and
+    # the runtime speak: 0.3 to jax 0.10.2's runtime, 0.5 to jax 0.12's (make python-test-new),
+    # which would refuse a newer one. The runtime accepted them, ran the library's handler and
+    # the extension's, and says which it is. _native.XLA_FFI_API_VERSION is the oldest the
+    # handlers run on.
     assert _native.XLA_FFI_API_VERSION == (0, 3)
-    runtime = tuple(np.asarray(jax.jit(testing.context_probe)()).tolist()[4:])
+    runtime = tuple(np.asarray(jax.jit(testing.context_probe)()).tolist()[4:6])
     assert runtime == header_api_version(), (runtime, jax.__version__)
     assert runtime[0] == 0 and runtime[1] >= 3
     x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(3, 8)
     np.testing.assert_allclose(np.asarray(jax.jit(rms_norm)(x)), np.asarray(rms_norm_reference(x)), rtol=1e-6)
+
+
+def test_what_api_0_5_offers_a_handler_on_cpu(tmp_path):
+    # A 0.5 runtime (jax 0.12.0.1) answers the extension lookup and the custom options: JAX
+    # passes no options (an empty dictionary), and XLA:CPU attaches no collectives extension
+    # (129), on one device or on each of two under shard_map; a 0.3 runtime has neither (-1).
+    # If a later jaxlib attaches one on CPU, this test says so and the note in
+    # crates/xla-ffi-bundles/src/ffi/collectives.rs must change with it.
+    out = run_python(
+        textwrap.dedent(
+            """
+            import os, sys
+            os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+            sys.path.insert(0, %r)
+            import jax, jax.numpy as jnp, numpy as np
+            from jax.sharding import PartitionSpec as P
+            import testing_bundles as testing
+            one = np.asarray(jax.jit(testing.context_probe)()).tolist()
+            mesh = jax.make_mesh((2,), ("d",))
+            per_shard = jax.jit(jax.shard_map(lambda: testing.context_probe(), mesh=mesh, in_specs=(),
+                                              out_specs=P("d")))
+            both = np.asarray(per_shard()).reshape(2, 8).tolist()
+            print(one[5], [one[6:]] + [row[6:] for row in both])
+            """
+        ) % str(pathlib.Path(__file__).parent)
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    minor, seen = out.stdout.strip().split(" ", 1)
+    expected = [0, 0] if int(minor) >= 5 else [0, -1]
+    assert seen == str([expected] * 3), out.stdout
 
 
 def test_user_data_on_cpu_is_xla_s_not_found_for_a_registered_type():

@@ -26,8 +26,21 @@ unsafe impl Send for Api<'_> {}
 // SAFETY: as above, nothing in the table is mutated after XLA creates it.
 unsafe impl Sync for Api<'_> {}
 
-/// Looks up one function of the table, checking `struct_size` and presence.
+/// Looks up one function of the table, checking `struct_size` and presence: a 0.3 function by
+/// its field, a function API 0.5 appended by `v0_5, field`.
 macro_rules! api_fn {
+    ($api:expr, v0_5, $field:ident) => {
+        $api.function(
+            ::std::mem::offset_of!($crate::ffi::sys::v0_5::XLA_FFI_Api, $field),
+            stringify!($field),
+            // SAFETY: as below; a 0.5 table starts with the 0.3 one, so the pointer to the
+            // table is a pointer to the 0.5 struct wherever its struct_size says so.
+            |table| unsafe {
+                ::std::ptr::addr_of!((*table.cast::<$crate::ffi::sys::v0_5::XLA_FFI_Api>()).$field)
+                    .read()
+            },
+        )
+    };
     ($api:expr, $field:ident) => {
         $api.function(
             ::std::mem::offset_of!($crate::ffi::sys::XLA_FFI_Api, $field),
@@ -132,13 +145,21 @@ impl<'a> Api<'a> {
         unsafe { create(&mut args) }
     }
 
+    /// Whether the runtime speaks API 0.`minor` or newer.
+    pub fn speaks(&self, minor: i32) -> bool {
+        let (major, actual) = self.version();
+        major > 0 || actual >= minor
+    }
+
     /// Turns an error returned by an API call into an [`FfiError`] and destroys the original.
+    /// Its code is the runtime's where the runtime says it (API 0.5's `GetDetails`), else
+    /// `Unknown`.
     pub(crate) fn take_error(
         &self,
         call: &'static str,
         error: *mut sys::XLA_FFI_Error,
     ) -> FfiError {
-        let message = self.error_message(error);
+        let (code, message) = self.error_details(error);
         if let Ok(destroy) = api_fn!(self, XLA_FFI_Error_Destroy) {
             let mut args = sys::XLA_FFI_Error_Destroy_Args {
                 struct_size: sys::XLA_FFI_Error_Destroy_Args::STRUCT_SIZE,
@@ -150,25 +171,46 @@ impl<'a> Api<'a> {
         }
         FfiError::Runtime {
             call,
-            code: ErrorCode::Unknown,
+            code,
             message,
         }
     }
 
-    /// The message of an error, copied out.
-    pub(crate) fn error_message(&self, error: *mut sys::XLA_FFI_Error) -> String {
+    /// The code and message of an error, copied out. The code is `Unknown` where the runtime
+    /// cannot say it: API 0.3's `GetMessage` has no code, and 0.5's `GetDetails` writes it only
+    /// into args that declare the 0.5 size (a 0.3 runtime may check for its own size, so those
+    /// get the 0.3 args).
+    pub(crate) fn error_details(&self, error: *mut sys::XLA_FFI_Error) -> (ErrorCode, String) {
         let Ok(get) = api_fn!(self, XLA_FFI_Error_GetMessage) else {
-            return "(no message: the runtime lacks XLA_FFI_Error_GetMessage)".to_string();
+            return (
+                ErrorCode::Unknown,
+                "(no message: the runtime lacks XLA_FFI_Error_GetMessage)".to_string(),
+            );
         };
-        let mut args = sys::XLA_FFI_Error_GetMessage_Args {
-            struct_size: sys::XLA_FFI_Error_GetMessage_Args::STRUCT_SIZE,
-            extension_start: ptr::null_mut(),
-            error,
-            message: ptr::null(),
+        let v0_5 = self.speaks(sys::v0_5::XLA_FFI_API_MINOR);
+        let mut args = sys::v0_5::XLA_FFI_Error_GetDetails_Args {
+            v0_3: sys::XLA_FFI_Error_GetMessage_Args {
+                struct_size: if v0_5 {
+                    sys::v0_5::XLA_FFI_Error_GetDetails_Args::STRUCT_SIZE
+                } else {
+                    sys::XLA_FFI_Error_GetMessage_Args::STRUCT_SIZE
+                },
+                extension_start: ptr::null_mut(),
+                error,
+                message: ptr::null(),
+            },
+            errc: sys::XLA_FFI_Error_Code::UNKNOWN,
         };
-        // SAFETY: `args` is valid for the call; `error` is an error of this runtime.
-        unsafe { get(&mut args) };
-        c_string(args.message)
+        // SAFETY: `args` is valid for the call and as large as the size it declares (the 0.5
+        // struct starts with the 0.3 one, and the pointer covers all of it); `error` is an
+        // error of this runtime.
+        unsafe { get(ptr::addr_of_mut!(args).cast()) };
+        let code = if v0_5 {
+            ErrorCode::from_raw(args.errc)
+        } else {
+            ErrorCode::Unknown
+        };
+        (code, c_string(args.v0_3.message))
     }
 
     /// Calls an API function that returns an error, mapping the error.

@@ -7,6 +7,8 @@ use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 
 use super::api::{api_fn, Api};
+use super::attrs::Attrs;
+use super::collectives::Collectives;
 use super::error::{FfiError, FfiResult};
 use super::panic;
 use super::stage::Stage;
@@ -27,6 +29,26 @@ impl Stream {
     /// The raw stream handle, e.g. for a kernel launch.
     pub fn as_raw(&self) -> *mut c_void {
         self.0
+    }
+}
+
+/// An extension the runtime attached to a call (API 0.5), valid for the call (`'a`).
+#[derive(Debug, Clone, Copy)]
+pub struct Extension<'a> {
+    raw: NonNull<sys::v0_5::XLA_FFI_Extension>,
+    _life: std::marker::PhantomData<&'a sys::v0_5::XLA_FFI_Extension>,
+}
+
+impl Extension<'_> {
+    /// Its type, major and minor version.
+    pub fn id(&self) -> sys::v0_5::XLA_FFI_ExtensionId {
+        // SAFETY: the extension lives for the call (`'a`), and its head is readable.
+        unsafe { ptr::addr_of!((*self.raw.as_ptr()).id).read() }
+    }
+
+    /// The extension, for a handler that reads one this crate does not wrap.
+    pub fn as_ptr(&self) -> *const sys::v0_5::XLA_FFI_Extension {
+        self.raw.as_ptr()
     }
 }
 
@@ -222,6 +244,77 @@ impl<'a> Context<'a> {
         // SAFETY: XLA looked the data up by `T`'s type id, so it was attached as a `T`; the
         // execution context that owns it outlives every handler call of the execution.
         Ok(unsafe { &*data.as_ptr() })
+    }
+
+    /// The extension of type `extension_type` the runtime attached to this call (API 0.5's
+    /// `XLA_FFI_InvokeContext_FindExtension`): `None` where it attached none of that type, and
+    /// on runtimes older than 0.5, which have no extensions.
+    pub fn find_extension(&self, extension_type: i64) -> FfiResult<Option<Extension<'a>>> {
+        if !self.api.speaks(sys::v0_5::XLA_FFI_API_MINOR) {
+            return Ok(None);
+        }
+        self.require_ctx("an extension")?;
+        let find = api_fn!(self.api, v0_5, XLA_FFI_InvokeContext_FindExtension)?;
+        let mut args = sys::v0_5::XLA_FFI_InvokeContext_FindExtension_Args {
+            struct_size: sys::v0_5::XLA_FFI_InvokeContext_FindExtension_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            extension_type,
+            extension: ptr::null(),
+        };
+        // SAFETY: `args` is valid for the call; `ctx` is this call's context.
+        let err = unsafe { find(&mut args) };
+        self.api.check("XLA_FFI_InvokeContext_FindExtension", err)?;
+        let Some(raw) = NonNull::new(args.extension.cast_mut()) else {
+            return Ok(None);
+        };
+        // SAFETY: the runtime's extensions live as long as the invoke context, so for the call.
+        let id = unsafe { ptr::addr_of!((*raw.as_ptr()).id).read() };
+        if id.extension_type != extension_type {
+            return Err(FfiError::internal(format!(
+                "asked the runtime for extension {extension_type}, got {}",
+                id.extension_type
+            )));
+        }
+        Ok(Some(Extension {
+            raw,
+            _life: std::marker::PhantomData,
+        }))
+    }
+
+    /// XLA's collectives extension for this call, if the runtime attached one (see
+    /// [`super::collectives`] for which do).
+    pub fn collectives(&self) -> FfiResult<Option<Collectives<'a>>> {
+        let Some(extension) = self.find_extension(sys::v0_5::XLA_FFI_Extension_Collectives)? else {
+            return Ok(None);
+        };
+        // SAFETY: the runtime attached `extension` as type 129 for the call.
+        unsafe { Collectives::from_raw(extension.raw, self.api, self.stage) }.map(Some)
+    }
+
+    /// The options the program running XLA passed with this execution (API 0.5's custom
+    /// options), apart from the call's own attributes: an empty list where none were passed (as
+    /// through JAX, which passes none), `None` on runtimes older than 0.5.
+    pub fn custom_options(&self) -> FfiResult<Option<Attrs<'a>>> {
+        if !self.api.speaks(sys::v0_5::XLA_FFI_API_MINOR) {
+            return Ok(None);
+        }
+        self.require_ctx("the custom options")?;
+        let get = api_fn!(self.api, v0_5, XLA_FFI_CustomOptions_Get)?;
+        let mut args = sys::v0_5::XLA_FFI_CustomOptions_Get_Args {
+            struct_size: sys::v0_5::XLA_FFI_CustomOptions_Get_Args::STRUCT_SIZE,
+            extension_start: ptr::null_mut(),
+            ctx: self.ctx,
+            attrs: ptr::null(),
+        };
+        // SAFETY: `args` is valid for the call; `ctx` is this call's context.
+        let err = unsafe { get(&mut args) };
+        self.api.check("XLA_FFI_CustomOptions_Get", err)?;
+        // SAFETY: the runtime's options are a dictionary laid out as the call's attributes,
+        // owned by the invoke context, so valid for the call.
+        unsafe { Attrs::from_raw(args.attrs) }
+            .map(Some)
+            .map_err(|e| FfiError::internal(format!("the runtime's custom options: {e}")))
     }
 
     /// XLA's state pointer for `stage` (null if XLA has none), stored with `registration`'s

@@ -167,8 +167,8 @@ pub enum FfiError {
     Runtime {
         /// The API function called, e.g. `XLA_FFI_State_Get`.
         call: &'static str,
-        /// The code to report it with (`Unknown` for errors read back from XLA, whose C API does
-        /// not expose the original code).
+        /// The runtime's code for it: API 0.5 runtimes say it (`XLA_FFI_Error_GetDetails`),
+        /// 0.3 runtimes do not (`Unknown`).
         code: ErrorCode,
         /// XLA's message.
         message: String,

@@ -82,7 +82,8 @@ pub struct LibraryExport {
     /// Why the table is empty, NUL-terminated, or null: a library whose declarations are
     /// inconsistent exports the reason instead of bundles.
     pub error: *const c_char,
-    /// The XLA FFI API version the library's handlers report.
+    /// The oldest XLA FFI API version the library's handlers run on (0.3); they report the
+    /// newest that both they and the runtime speak ([`super::metadata::reported_minor`]).
     pub xla_api_major: i32,
     /// The minor part of that version.
     pub xla_api_minor: i32,

@@ -21,6 +21,9 @@ use super::error::ErrorCode;
 use super::sys::{self, *};
 use super::types::StateTypeRegistration;
 
+mod v0_5;
+pub use v0_5::{FakeCollectives, FrozenAttrs, Request};
+
 // ---------------------------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------------------------
@@ -46,9 +49,18 @@ unsafe extern "C" fn error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut 
     .cast()
 }
 
+/// API 0.5's `XLA_FFI_Error_GetDetails` (0.3's `GetMessage` with the code): like jaxlib 0.12, it
+/// writes the code only when the args declare a size past 0.3's.
 unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
     // SAFETY: the caller passes valid args and an error made by `error_create`.
-    unsafe { (*args).message = (*(*args).error.cast::<FakeError>()).message.as_ptr() };
+    let error = unsafe { &*(*args).error.cast::<FakeError>() };
+    // SAFETY: as above.
+    unsafe { (*args).message = error.message.as_ptr() };
+    // SAFETY: args that declare the 0.5 size are a whole `GetDetails_Args`.
+    if unsafe { (*args).struct_size } > XLA_FFI_Error_GetMessage_Args::STRUCT_SIZE {
+        let details = args.cast::<sys::v0_5::XLA_FFI_Error_GetDetails_Args>();
+        unsafe { (*details).errc = error.code.to_raw() };
+    }
 }
 
 unsafe extern "C" fn error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
@@ -203,6 +215,10 @@ pub struct FakeContext {
     /// Run scheduled tasks on the calling thread instead of a new thread.
     pub inline_tasks: bool,
     allocations: Mutex<HashMap<usize, Vec<u64>>>,
+    /// The collectives extension attached to calls ([`FakeContext::attach_collectives`]).
+    collectives: Option<Box<FakeCollectives>>,
+    /// The custom options of calls ([`FakeContext::set_custom_options`]); none: empty.
+    custom_options: Option<FrozenAttrs>,
 }
 
 /// One user datum: its pointer and the function that drops it.
@@ -219,6 +235,8 @@ impl Default for FakeContext {
             stream: None,
             inline_tasks: false,
             allocations: Mutex::default(),
+            collectives: None,
+            custom_options: None,
         }
     }
 }
@@ -237,7 +255,7 @@ impl FakeContext {
         ctx
     }
 
-    fn as_raw(&self) -> *mut XLA_FFI_ExecutionContext {
+    pub(crate) fn as_raw(&self) -> *mut XLA_FFI_ExecutionContext {
         (self as *const FakeContext).cast_mut().cast()
     }
 
@@ -597,14 +615,15 @@ unsafe extern "C" fn unsupported_register(
     )
 }
 
-struct SyncApi(XLA_FFI_Api);
+struct SyncApi(sys::v0_5::XLA_FFI_Api);
 // SAFETY: the table is immutable after construction.
 unsafe impl Sync for SyncApi {}
 // SAFETY: as above.
 unsafe impl Send for SyncApi {}
 
-fn build_api() -> XLA_FFI_Api {
-    XLA_FFI_Api {
+/// The table of an API 0.5 runtime.
+fn build_api() -> sys::v0_5::XLA_FFI_Api {
+    v0_5::grow(XLA_FFI_Api {
         struct_size: XLA_FFI_Api::STRUCT_SIZE,
         extension_start: ptr::null_mut(),
         api_version: XLA_FFI_Api_Version {
@@ -632,20 +651,21 @@ fn build_api() -> XLA_FFI_Api {
         XLA_FFI_Future_SetError: Some(future_set_error),
         XLA_FFI_RunId_Get: Some(run_id_get),
         XLA_FFI_DeviceOrdinal_Get: Some(device_ordinal_get),
-    }
+    })
 }
 
 static API: Lazy<SyncApi> = Lazy::new(|| SyncApi(build_api()));
 
-/// The fake API table.
+/// The fake API table: an API 0.5 runtime's.
 pub fn api() -> *const XLA_FFI_Api {
-    &API.0
+    ptr::addr_of!(API.0).cast()
 }
 
 /// Tables that declare fewer bytes than the mirror, one per size, made on first use.
 static SMALL_APIS: Lazy<Mutex<HashMap<usize, &'static SyncApi>>> = Lazy::new(Default::default);
 
-/// A copy of the table that declares only `struct_size` bytes (an older runtime).
+/// A copy of the table that declares only `struct_size` bytes: an older runtime, whose version
+/// says 0.3 where the size is 0.3's or less.
 ///
 /// A runtime's table lives as long as the process, and the trampoline relies on that (it
 /// remembers the last table it saw, for frames that come without one), so these tables are
@@ -654,10 +674,18 @@ pub fn api_with_size(struct_size: usize) -> *const XLA_FFI_Api {
     let mut tables = SMALL_APIS.lock();
     let table = tables.entry(struct_size).or_insert_with(|| {
         let mut table = build_api();
-        table.struct_size = struct_size;
+        table.v0_3.struct_size = struct_size;
+        if struct_size < sys::v0_5::XLA_FFI_Api::STRUCT_SIZE {
+            table.v0_3.api_version.minor_version = XLA_FFI_API_MINOR;
+        }
         Box::leak(Box::new(SyncApi(table)))
     });
-    &table.0
+    ptr::addr_of!(table.0).cast()
+}
+
+/// The table of an API 0.3 runtime (jaxlib 0.10): 0.3's size and version.
+pub fn api_v0_3() -> *const XLA_FFI_Api {
+    api_with_size(XLA_FFI_Api::STRUCT_SIZE)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -54,13 +54,29 @@ pub(crate) unsafe fn find_extension(
     None
 }
 
-/// Fills in the metadata for `info`.
+/// The API minor version a handler reports to a runtime of version `runtime` (major, minor): the
+/// newest both speak. A runtime refuses a handler that reports a version newer than its own
+/// (jaxlib 0.10.2, API 0.3: "the handler's API version (0.5) is incompatible with the
+/// framework's API version (0.3)"), so 0.3 to runtimes older than 0.5 or of unknown version
+/// (this crate mirrors no 0.4), and 0.5 to 0.5 and newer ones.
+pub fn reported_minor(runtime: Option<(i32, i32)>) -> i32 {
+    match runtime {
+        Some((major, minor)) if major > 0 || minor >= sys::v0_5::XLA_FFI_API_MINOR => {
+            sys::v0_5::XLA_FFI_API_MINOR
+        }
+        _ => sys::XLA_FFI_API_MINOR,
+    }
+}
+
+/// Fills in the metadata for `info`, reporting the API version [`reported_minor`] picks for the
+/// `runtime`'s version.
 ///
 /// # Safety
 /// `extension` must point to a metadata extension as XLA passes it.
 pub(crate) unsafe fn answer(
     extension: *mut sys::XLA_FFI_Metadata_Extension,
     info: &HandlerInfo,
+    runtime: Option<(i32, i32)>,
 ) -> FfiResult<()> {
     // SAFETY: the extension base is readable (found by `find_extension`).
     let ext_size = unsafe { ptr::addr_of!((*extension).extension_base.struct_size).read() };
@@ -89,7 +105,7 @@ pub(crate) unsafe fn answer(
         struct_size: sys::XLA_FFI_Api_Version::STRUCT_SIZE,
         extension_start: ptr::null_mut(),
         major_version: sys::XLA_FFI_API_MAJOR,
-        minor_version: sys::XLA_FFI_API_MINOR,
+        minor_version: reported_minor(runtime),
     };
     // SAFETY: the metadata covers `api_version` and `traits` (its struct size was checked).
     unsafe {

@@ -15,7 +15,8 @@
 //!    it needs only the error type).
 //! 3. [`api`] (the checked function table) and [`host`] (the registry a library reports into).
 //! 4. [`buffer`], then [`attrs`] (attributes share the list check of buffers).
-//! 5. [`types`]: state types, their ids and deleters.
+//! 5. [`types`]: state types, their ids and deleters; [`collectives`]: XLA's collectives
+//!    extension (API 0.5).
 //! 6. [`context`]: state, stream, device, thread pool, device memory.
 //! 7. [`frame`] (a validated call frame and its decoding) and [`parallel`] (loops on XLA's pool).
 //! 8. [`metadata`]: the registration-time answer, and what a handler declares about itself.
@@ -34,6 +35,7 @@ pub mod buffer;
 pub mod bundle;
 #[cfg(feature = "python")]
 pub mod capsule;
+pub mod collectives;
 pub mod context;
 pub mod dtype;
 pub mod error;
@@ -64,7 +66,8 @@ pub use bundle::{
     Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, StageTypes,
     Traits,
 };
-pub use context::{Context, Stream};
+pub use collectives::{Collectives, Communicator, GroupMode};
+pub use context::{Context, Extension, Stream};
 pub use dtype::{DataType, NativeType};
 pub use error::{DecodeErrors, ErrorCode, FfiError, FfiResult};
 pub use pending::{ExecuteAsync, Pending};

@@ -1,4 +1,5 @@
-//! The C ABI of `xla/ffi/api/c_api.h`, API version 0.3, written out by hand.
+//! The C ABI of `xla/ffi/api/c_api.h`, API version 0.3, written out by hand; [`v0_5`] adds what
+//! API 0.5 (jaxlib 0.12) renamed, grew and added, and its collectives extension.
 //!
 //! Every struct, enum and function type of the header is mirrored here with its C name. Enums are
 //! `#[repr(transparent)]` wrappers around the C `int` rather than Rust enums: XLA may hand us a
@@ -8,7 +9,8 @@
 //! Structs are declared through `c_struct!`, which also records each field's offset and size and
 //! the header's `*_STRUCT_SIZE` value. A test compiles a C program against the header that ships
 //! with jaxlib and compares every one of those numbers with this file, so a jaxlib that moves a
-//! field fails the tests instead of corrupting memory.
+//! field fails the tests instead of corrupting memory: this module against every header (a newer
+//! one for what the two share), [`v0_5`] exactly against a 0.5 header.
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
 // The mirror keeps the header's names, and the header documents each of them: repeating its
 // comments on every field here would be a second copy to keep in step, so only what this
@@ -41,6 +43,18 @@ pub struct StructLayout {
     pub struct_size: Option<usize>,
     pub fields: &'static [FieldLayout],
 }
+
+impl StructLayout {
+    /// The same layout under another name: a struct a newer header renamed.
+    pub const fn renamed(self, name: &'static str) -> StructLayout {
+        StructLayout { name, ..self }
+    }
+}
+
+/// Fields that hold an older or shorter struct whose layout a newer one starts with (API 0.5's
+/// grown structs, [`v0_5`]): the layout test checks such a field against the header's fields
+/// before the next one, instead of by name.
+pub const PREFIX_FIELDS: &[&str] = &["v0_3", "request"];
 
 /// The size of the value a raw pointer points to, usable in `const` items.
 const fn size_of_pointee<T>(_: *const T) -> usize {
@@ -732,3 +746,5 @@ pub const ALL_ENUM_VALUES: &[&[(&str, c_int)]] = &[
     XLA_FFI_AttrType::VALUES,
     XLA_FFI_ExecutionStage::VALUES,
 ];
+
+pub mod v0_5;

@@ -8,6 +8,8 @@ use super::fake::{self, FakeContext, FrameBuilder, OwnedAttr, OwnedBuffer};
 use super::sys::{self, XLA_FFI_DataType as Dt};
 use super::*;
 
+mod v0_5;
+
 // ---------------------------------------------------------------------------------------------
 // A probe bundle whose signature uses every decoder
 // ---------------------------------------------------------------------------------------------
@@ -553,7 +555,7 @@ fn metadata_answer_for_stateless_handler() {
     let md = frame.metadata().unwrap();
     assert_eq!(
         (md.api_version.major_version, md.api_version.minor_version),
-        (0, 3)
+        (0, 5)
     );
     assert_eq!(
         md.api_version.struct_size,
@@ -861,7 +863,12 @@ fn panicking_task_is_contained_and_variadic_args_decode() {
 fn runtime_version_is_readable() {
     // SAFETY: the fake table is a valid, static `XLA_FFI_Api`.
     let api = unsafe { super::api::Api::from_raw(fake::api()) }.unwrap();
-    assert_eq!(api.version(), (0, 3));
+    assert_eq!(api.version(), (0, 5));
+    assert!(api.speaks(5) && api.speaks(3));
+    // SAFETY: as above.
+    let old = unsafe { super::api::Api::from_raw(fake::api_v0_3()) }.unwrap();
+    assert_eq!(old.version(), (0, 3));
+    assert!(!old.speaks(5));
     // SAFETY: a table too small to create errors is refused, not used.
     let small = unsafe { super::api::Api::from_raw(fake::api_with_size(16)) };
     assert!(small.is_err());

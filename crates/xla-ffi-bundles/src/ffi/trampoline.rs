@@ -47,8 +47,10 @@ pub unsafe fn handle(
             unsafe { check_frame_size(frame) }?;
             // SAFETY: the frame covers `extension_start` (checked above); the chain is XLA's.
             if let Some(extension) = unsafe { metadata::find_extension(frame) } {
+                // The frame's own table: one without a table gets the oldest answer, 0.3.
+                let runtime = api.map(|api| api.version());
                 // SAFETY: `find_extension` returned a metadata extension of this frame.
-                return unsafe { metadata::answer(extension, info) };
+                return unsafe { metadata::answer(extension, info, runtime) };
             }
             let api = api.ok_or_else(|| {
                 FfiError::internal("the call frame has no usable XLA_FFI_Api table")
