@@ -652,7 +652,17 @@ mod tests {
             };
             let (n, rows) = (field("n"), field("rows"));
             assert_eq!(vectorized, can_vectorize(x, n, &[0]), "{line}");
-            if kind == "bwd" {
+            if kind == "bwd" || kind == "lnb" {
+                // LayerNorm's backward (lnb) with a weight and a bias.
+                let sums = if kind == "lnb" {
+                    Sums {
+                        norm: Norm::Layer,
+                        weight: true,
+                        bias: true,
+                    }
+                } else {
+                    Sums::rms(true)
+                };
                 let l = backward_launch(
                     x,
                     n,
@@ -660,7 +670,7 @@ mod tests {
                     rows,
                     vectorized,
                     field("sms"),
-                    Sums::rms(true),
+                    sums,
                     field("max_cluster"),
                 );
                 let want = (

@@ -24,7 +24,8 @@
 //
 // Usage: traffic [max_blocks [forward_min_team]] < lines of "kind dtype n rows" (kind
 // fwd|res|bwd|bwdh, bwdh: the backward with dh, the fused residual's, and a scale offset of 1;
-// dtype f32|bf16|f16|f64; the weight of x's dtype).
+// LayerNorm's lnf|lnres|lnb, with a weight and a bias; dtype f32|bf16|f16|f64; the weight (and
+// bias) of x's dtype).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -259,8 +260,11 @@ uint64_t team_size(uint64_t n, uint64_t vec, uint64_t vpt, uint64_t min, uint64_
   return std::min(std::max(next_pow2((nv + vpt - 1) / vpt), min), max);
 }
 uint64_t vec_width(Type x, bool vectorized) { return vectorized ? 16 / bytes_of(x) : 1; }
-uint64_t vpt_of(bool backward, Type x, bool vectorized) {
-  return backward && vectorized && bytes_of(x) == 4 ? 8 : 4;
+// plan.rs's backward_vectors_per_thread (the forward's is 4 for both norms).
+uint64_t vpt_of(bool backward, Type x, bool vectorized, bool layer = false) {
+  if (!backward) return 4;
+  if (layer) return vectorized && bytes_of(x) != 4 ? 2 : 4;
+  return vectorized && bytes_of(x) == 4 ? 8 : 4;
 }
 Launch plan_forward(Type x, uint64_t n, uint64_t rows, bool vectorized) {
   const uint64_t team =
@@ -271,41 +275,46 @@ Launch plan_forward(Type x, uint64_t n, uint64_t rows, bool vectorized) {
                                  (uint64_t)0x7fffffff);
   return Launch{grid, block, team, 0, 0, 0};
 }
-uint64_t backward_cluster(Type x, uint64_t n, bool vectorized, uint64_t max_cluster) {
-  if (!vectorized) return 1;
+uint64_t backward_cluster(Type x, uint64_t n, bool vectorized, uint64_t max_cluster, bool layer) {
+  if (!vectorized || layer) return 1;  // LayerNorm's backward has no cluster kernels
   const uint64_t nv = n / vec_width(x, true), cached = 512 * vpt_of(true, x, true);
   if (nv <= cached) return 1;
   for (uint64_t c = 2; c <= std::min(max_cluster, (uint64_t)kMaxCluster); c *= 2)
     if (nv % c == 0 && nv / c <= cached) return c;
   return 1;
 }
+// `grad_rows`: plan.rs's Sums::rows (0 without a weight, 1 the RMS norm's weight, 2 LayerNorm's
+// weight and bias); `layer`: LayerNorm's kernel.
 Launch plan_backward(Type x, uint64_t n, uint64_t groups, uint64_t rows_per_group,
-                     bool vectorized, uint64_t sm_count, bool has_weight, uint64_t max_cluster) {
+                     bool vectorized, uint64_t sm_count, uint64_t grad_rows, uint64_t max_cluster,
+                     bool layer = false) {
   const uint64_t vec = vec_width(x, vectorized), block = 512;
-  const uint64_t vpt = vpt_of(true, x, vectorized);
+  const uint64_t vpt = vpt_of(true, x, vectorized, layer);
   const uint64_t wide = wide_bytes_of(acc_of(x));
-  const uint64_t cluster =
-      backward_cluster(x, n, vectorized, std::min(max_cluster, std::max(sm_count, (uint64_t)1)));
+  const uint64_t rows_of_grads = std::max(grad_rows, (uint64_t)1);
+  const uint64_t cluster = backward_cluster(
+      x, n, vectorized, std::min(max_cluster, std::max(sm_count, (uint64_t)1)), layer);
   uint64_t team = team_size(n, vec, vpt, 32, block);
-  if (n * wide > (32u << 10) || cluster > 1) team = block;
+  if (rows_of_grads * n * wide > (32u << 10) || cluster > 1) team = block;
   const uint64_t teams = block / team;
   const bool cached = n / vec <= team * vpt;
-  const uint64_t shared = teams > 1 && cached ? n * wide : 0;
+  const uint64_t shared = teams > 1 && cached ? rows_of_grads * n * wide : 0;
   groups = std::max(groups, (uint64_t)1);
   const uint64_t wanted = std::max((rows_per_group + teams - 1) / teams, (uint64_t)1);
   uint64_t per_group = (std::max(sm_count / cluster, (uint64_t)1) + groups - 1) / groups;
-  if (has_weight) {
-    const uint64_t rows_in_limit = (256ull << 20) / (std::max(n, (uint64_t)1) * wide);
+  if (grad_rows > 0) {
+    const uint64_t rows_in_limit =
+        (256ull << 20) / (std::max(n, (uint64_t)1) * wide * rows_of_grads);
     per_group = std::max(std::min(per_group, rows_in_limit / groups), (uint64_t)1);
   }
   per_group = std::min(wanted, per_group);
   uint64_t chunk = std::max((rows_per_group + per_group - 1) / per_group, (uint64_t)1);
   // Narrow partials (float32 rows of chunks of at most FOLD_ROWS = 8 rows) where they write no
   // more bytes than the float64 rows.
-  if (has_weight && teams == 1 && wide == 8 && chunk > 8) {
+  if (grad_rows > 0 && teams == 1 && wide == 8 && chunk > 8) {
     const uint64_t narrow_blocks = (rows_per_group + 7) / 8;
     if (narrow_blocks * 4 <= per_group * wide &&
-        groups * narrow_blocks * std::max(n, (uint64_t)1) * 4 <= (256ull << 20))
+        groups * narrow_blocks * std::max(n, (uint64_t)1) * 4 * rows_of_grads <= (256ull << 20))
       chunk = 8;
   }
   per_group = std::max((rows_per_group + chunk - 1) / chunk, (uint64_t)1);
@@ -436,67 +445,92 @@ void call(const std::string& kind, Type xt, uint64_t n, uint64_t rows) {
   rec.buffers.clear();
   std::vector<std::string> launches;
   char plan[512];
-  if (kind == "fwd" || kind == "res") {
-    const bool res = kind == "res";
+  if (kind == "fwd" || kind == "res" || kind == "lnf" || kind == "lnres") {
+    const bool res = kind == "res" || kind == "lnres", layer = kind[0] == 'l';
     const Launch l = plan_forward(xt, n, rows, vec);
-    Mem x(count * xb), r(res ? count * xb : 0), w(n * xb), y(count * xb), h(res ? count * xb : 0),
-        rstd(rows * ab);
+    Mem x(count * xb), r(res ? count * xb : 0), w(n * xb), b(layer ? n * xb : 0), y(count * xb),
+        h(res ? count * xb : 0), mean(layer ? rows * ab : 0), rstd(rows * ab);
     add_buffer("x", x, count * xb, false);
     if (res) add_buffer("residual", r, count * xb, false);
     add_buffer("w", w, n * xb, true);
+    if (layer) add_buffer("b", b, n * xb, true);
     add_buffer("y", y, count * xb, false);
     if (res) add_buffer("h", h, count * xb, false);
+    if (layer) add_buffer("mean", mean, rows * ab, false);
     add_buffer("rstd", rstd, rows * ab, false);
     const bool cached = n / vec_width(xt, vec) <= l.team * vpt_of(false, xt, vec);
-    if (res)
-      launches.push_back(run("rmsnorm_residual_fwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
-                             {x.addr(), r.addr(), w.addr(), y.addr(), h.addr(), rstd.addr(), rows,
-                              n, l.team, f2u(1e-5f), f2u(-0.0f), rows},
-                             cached));
-    else
-      launches.push_back(run("rmsnorm_fwd_" + sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
-                             {x.addr(), w.addr(), y.addr(), rstd.addr(), rows, n, l.team,
-                              f2u(1e-5f), f2u(-0.0f), rows},
-                             cached));
+    const emu::Dim block{(unsigned)l.block, 1, 1};
+    const std::vector<uint64_t> tail = {rows, n, l.team, f2u(1e-5f), f2u(-0.0f), rows};
+    std::vector<uint64_t> values = {x.addr()};
+    if (res) values.push_back(r.addr());
+    values.push_back(w.addr());
+    if (layer) values.push_back(b.addr());
+    values.push_back(y.addr());
+    if (res) values.push_back(h.addr());
+    if (layer) values.push_back(mean.addr());
+    values.push_back(rstd.addr());
+    values.insert(values.end(), tail.begin(), tail.end());
+    const std::string entry = std::string(layer ? "layernorm" : "rmsnorm") +
+                              (res ? "_residual_fwd_" : "_fwd_") + sfx;
+    launches.push_back(run(entry, l, block, values, cached));
     snprintf(plan, sizeof plan, "%s %s %s n=%llu rows=%llu grid=%llu block=%llu team=%llu",
              kind.c_str(), kName[xt], vec ? "v" : "s", (unsigned long long)n,
              (unsigned long long)rows, (unsigned long long)l.grid, (unsigned long long)l.block,
              (unsigned long long)l.team);
   } else {
-    const bool with_dh = kind == "bwdh";
-    const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, true, kMaxCluster);
+    const bool with_dh = kind == "bwdh", layer = kind == "lnb";
+    const uint64_t grad_rows = layer ? 2 : 1;
+    const Launch l = plan_backward(xt, n, 1, rows, vec, kSms, grad_rows, kMaxCluster, layer);
     // plan.rs's narrow_partials: float32 partial rows, one per cluster (or block).
     const bool narrow = acc_of(xt) == F32 && l.team == l.block && l.chunk <= 8;
     const size_t wide = narrow ? 4 : wide_bytes_of(acc_of(xt));
     const uint64_t units = l.grid / l.cluster;
     const size_t dots_bytes = l.cluster > 1 ? l.grid * 2 * wide_bytes_of(acc_of(xt)) : 0;
-    Mem x(count * xb), w(n * xb), rstd(rows * ab), dy(count * xb), dh(with_dh ? count * xb : 0),
-        dx(count * xb), partial(units * n * wide), dw(n * xb), dots(dots_bytes);
+    Mem x(count * xb), w(n * xb), mean(layer ? rows * ab : 0), rstd(rows * ab), dy(count * xb),
+        dh(with_dh ? count * xb : 0), dx(count * xb), partial(units * n * wide),
+        partial_b(layer ? units * n * wide : 0), dw(n * xb), db(layer ? n * xb : 0),
+        dots(dots_bytes);
     add_buffer("x", x, count * xb, false);
     add_buffer("w", w, n * xb, true);
+    if (layer) add_buffer("mean", mean, rows * ab, false);
     add_buffer("rstd", rstd, rows * ab, false);
     add_buffer("dy", dy, count * xb, false);
     if (with_dh) add_buffer("dh", dh, count * xb, false);
     add_buffer("dx", dx, count * xb, false);
     add_buffer("partial", partial, units * n * wide, false);
+    if (layer) add_buffer("partial_b", partial_b, units * n * wide, false);
     add_buffer("dw", dw, n * xb, false);
+    if (layer) add_buffer("db", db, n * xb, false);
     if (dots_bytes) add_buffer("dots", dots, dots_bytes, false);
     const bool cached =
-        n / vec_width(xt, vec) / l.cluster <= l.team * vpt_of(true, xt, vec);
+        n / vec_width(xt, vec) / l.cluster <= l.team * vpt_of(true, xt, vec, layer);
     const std::string bwd_sfx =
         l.cluster > 1 ? std::string(kName[xt]) + "_w" + kName[xt] + "_c" : sfx;
-    launches.push_back(run("rmsnorm_bwd_" + bwd_sfx, l, emu::Dim{(unsigned)l.block, 1, 1},
-                           {x.addr(), w.addr(), rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
-                            dx.addr(), partial.addr(), dots_bytes ? dots.addr() : 0, n, l.team,
-                            f2u(with_dh ? 1.0f : -0.0f),
-                            (uint64_t)l.chunk, rows, l.blocks_per_group},
-                           cached));
+    const emu::Dim block{(unsigned)l.block, 1, 1};
+    const uint64_t offset = f2u(with_dh ? 1.0f : -0.0f);
+    if (layer)
+      launches.push_back(run("layernorm_bwd_" + sfx, l, block,
+                             {x.addr(), w.addr(), mean.addr(), rstd.addr(), dy.addr(), 0,
+                              dx.addr(), partial.addr(), partial_b.addr(), n, l.team, offset,
+                              (uint64_t)l.chunk, rows, l.blocks_per_group},
+                             cached));
+    else
+      launches.push_back(run("rmsnorm_bwd_" + bwd_sfx, l, block,
+                             {x.addr(), w.addr(), rstd.addr(), dy.addr(), with_dh ? dh.addr() : 0,
+                              dx.addr(), partial.addr(), dots_bytes ? dots.addr() : 0, n, l.team,
+                              offset, (uint64_t)l.chunk, rows, l.blocks_per_group},
+                             cached));
+    // The finalize of each gradient: dweight's, and LayerNorm's dbias from its partial rows.
     const Launch f{(n + 31) / 32, 256, 0, 0, 0, 0};
-    launches.push_back(run(std::string("rmsnorm_bwd_finalize_") + kName[acc_of(xt)] + "_w" +
-                               kName[xt],
-                           f, emu::Dim{32, 8, 1},
+    const std::string finalize =
+        std::string("rmsnorm_bwd_finalize_") + kName[acc_of(xt)] + "_w" + kName[xt];
+    launches.push_back(run(finalize, f, emu::Dim{32, 8, 1},
                            {partial.addr(), l.blocks_per_group, n, (uint64_t)narrow, dw.addr()},
                            false));
+    if (layer)
+      launches.push_back(run(finalize, f, emu::Dim{32, 8, 1},
+                             {partial_b.addr(), l.blocks_per_group, n, (uint64_t)narrow, db.addr()},
+                             false));
     snprintf(plan, sizeof plan,
              "%s %s %s n=%llu rows=%llu sms=%d max_cluster=%d grid=%llu block=%llu team=%llu "
              "shared=%llu chunk=%llu blocks_per_group=%llu cluster=%llu",
