@@ -96,8 +96,9 @@ gpu-emulate: $(DEPS)
 
 # The emulated kernels under AddressSanitizer+UBSan (full sweep) and ThreadSanitizer (a subset,
 # and a planted race it must report), in a standalone C++ harness: TSan cannot see through the
-# uninstrumented Rust host; LayerNorm's kernels a sample. 684 s on this VM in stop 53 (its RMS sweep,
-# unchanged, 6-8 minutes of that across runs here).
+# uninstrumented Rust host; LayerNorm's kernels a sample. Two lanes at once (each build and run
+# is one process): 488 s on this VM in stop 54 while another make test ran beside it (sequential
+# and before the LayerNorm sample's trim: 547 s; 684 s in stop 53).
 gpu-sanitize:
 	tests/cuda_emulator/sanitize.sh target/gpu-sanitize
 
