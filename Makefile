@@ -79,11 +79,22 @@ counter-bundle: bundles
 # (`make test` makes .venv-new/ first; `make rust-test` alone checks the headers that exist.)
 # `cargo test` here means the framework and the op (default-members); then the framework's docs
 # must build without a warning (its front page is a doctest; `#![deny(missing_docs)]`).
+# tests/gpu_emulated.rs (left out of a plain `cargo test`, see Cargo.toml) runs beside the rest,
+# its output printed after theirs: it is mostly one core for 6-8 minutes, the rest (NVRTC's
+# compiles, the fuzzed frames) use the other. Both are built first, with both cores.
 SITE_PACKAGES = RMSNORM_FFI_SITE_PACKAGES="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rust-test: $(DEPS)
+	cargo test --features fake-runtime --no-run --quiet
+	cargo test --features fake-runtime --test gpu_emulated --no-run --quiet
+	@mkdir -p target; \
+	$(SITE_PACKAGES) cargo test --features fake-runtime --test gpu_emulated > target/gpu_emulated.log 2>&1 & \
+	emulated=$$!; \
 	XLA_FFI_INCLUDE_DIRS="$$($(PY) -c 'import jax.ffi; print(jax.ffi.include_dir())')$$(test -x $(PY_NEW) && \
 		$(PY_NEW) -c 'import jax.ffi; print(":" + jax.ffi.include_dir())')" \
-	$(SITE_PACKAGES) cargo test --features fake-runtime
+	$(SITE_PACKAGES) cargo test --features fake-runtime; status=$$?; \
+	wait $$emulated || status=1; \
+	echo "== tests/gpu_emulated.rs (ran beside the tests above)"; cat target/gpu_emulated.log; \
+	exit $$status
 	RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps -p xla-ffi-bundles --features python,fake-runtime
 
 # The CUDA path without a GPU, alone (rust-test runs it too): the real GPU bundles through the

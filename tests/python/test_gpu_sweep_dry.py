@@ -27,7 +27,10 @@ def run_sweep(out: pathlib.Path, *extra):
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    result = run_sweep(out)
+    # 90 s, not the dry run's default 60: on a loaded 2-core machine (CI, or a make test beside
+    # another) the timing section ran out of its 60 s before bfloat16's fused residual, and the
+    # winners test below failed (seen once in stop 54, when LayerNorm's directions came first).
+    result = run_sweep(out, "--budget", "90")
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     return result, out, records
 
