@@ -289,6 +289,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(parse_gpu_plan, m)?)?;
+    // The oldest XLA FFI API version the handlers run on (0.3); at registration they report the
+    // newest that both they and the runtime speak (0.5 to jaxlib 0.12).
     m.add(
         "XLA_FFI_API_VERSION",
         (XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR),

@@ -47,9 +47,11 @@ def test_the_installed_runtime_runs_our_handlers_at_the_newest_api_both_speak():
     # the extension's, and says which it is. _native.XLA_FFI_API_VERSION is the oldest the
     # handlers run on.
     assert _native.XLA_FFI_API_VERSION == (0, 3)
-    runtime = tuple(np.asarray(jax.jit(testing.context_probe)()).tolist()[4:6])
+    probe = np.asarray(jax.jit(testing.context_probe)()).tolist()
+    runtime, reported = tuple(probe[4:6]), probe[8]
     assert runtime == header_api_version(), (runtime, jax.__version__)
     assert runtime[0] == 0 and runtime[1] >= 3
+    assert reported == (5 if runtime[1] >= 5 else 3), (reported, runtime)
     x = np.linspace(-2, 2, 24, dtype=np.float32).reshape(3, 8)
     np.testing.assert_allclose(np.asarray(jax.jit(rms_norm)(x)), np.asarray(rms_norm_reference(x)), rtol=1e-6)
 
@@ -73,8 +75,8 @@ def test_what_api_0_5_offers_a_handler_on_cpu(tmp_path):
             mesh = jax.make_mesh((2,), ("d",))
             per_shard = jax.jit(jax.shard_map(lambda: testing.context_probe(), mesh=mesh, in_specs=(),
                                               out_specs=P("d")))
-            both = np.asarray(per_shard()).reshape(2, 8).tolist()
-            print(one[5], [one[6:]] + [row[6:] for row in both])
+            both = np.asarray(per_shard()).reshape(2, 9).tolist()
+            print(one[5], [one[6:8]] + [row[6:8] for row in both])
             """
         ) % str(pathlib.Path(__file__).parent)
     )

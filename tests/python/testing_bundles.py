@@ -37,12 +37,13 @@ def stage_counts(panic_in: str = "none", fail_in: str = "none"):
 
 
 def context_probe():
-    """int32[8]: XLA's thread-pool size, device ordinal, run id, 1 if a task scheduled on XLA's
+    """int32[9]: XLA's thread-pool size, device ordinal, run id, 1 if a task scheduled on XLA's
     thread pool ran, the major and minor API version of the runtime that ran the handler, 1 if
-    the runtime attached its collectives extension (API 0.5), and the number of custom options
-    it passed (-1 for a runtime older than 0.5)."""
+    the runtime attached its collectives extension (API 0.5), the number of custom options it
+    passed (-1 for a runtime older than 0.5), and the API minor version the library's handlers
+    reported to the runtime at registration."""
     register()
-    call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((8,), jnp.int32))
+    call = jax.ffi.ffi_call(CONTEXT_TARGET, jax.ShapeDtypeStruct((9,), jnp.int32))
     return call()
 
 

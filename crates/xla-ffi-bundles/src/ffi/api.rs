@@ -27,14 +27,17 @@ unsafe impl Send for Api<'_> {}
 unsafe impl Sync for Api<'_> {}
 
 /// Looks up one function of the table, checking `struct_size` and presence: a 0.3 function by
-/// its field, a function API 0.5 appended by `v0_5, field`.
+/// its field, a function API 0.5 appended by `v0_5, field` (which also checks that the runtime
+/// says it speaks 0.5: a table's size alone does not say which version laid it out).
 macro_rules! api_fn {
     ($api:expr, v0_5, $field:ident) => {
-        $api.function(
+        $api.function_since(
+            $crate::ffi::sys::v0_5::XLA_FFI_API_MINOR,
             ::std::mem::offset_of!($crate::ffi::sys::v0_5::XLA_FFI_Api, $field),
             stringify!($field),
             // SAFETY: as below; a 0.5 table starts with the 0.3 one, so the pointer to the
-            // table is a pointer to the 0.5 struct wherever its struct_size says so.
+            // table is a pointer to the 0.5 struct wherever its version and struct_size say so
+            // (both checked by `function_since` before this runs).
             |table| unsafe {
                 ::std::ptr::addr_of!((*table.cast::<$crate::ffi::sys::v0_5::XLA_FFI_Api>()).$field)
                     .read()
@@ -109,14 +112,36 @@ impl<'a> Api<'a> {
         read: impl FnOnce(*const sys::XLA_FFI_Api) -> Option<F>,
     ) -> FfiResult<F> {
         if self.struct_size() < offset + size_of::<usize>() {
+            let (major, minor) = self.version();
             return Err(FfiError::Unimplemented(format!(
-                "the XLA runtime's API table (size {}) has no {name}; a newer jaxlib is needed",
+                "the XLA runtime's API table (version {major}.{minor}, {} bytes) ends before \
+                 {name}",
                 self.struct_size()
             )));
         }
         read(self.raw.as_ptr()).ok_or_else(|| {
             FfiError::Unimplemented(format!("the XLA runtime does not provide {name}"))
         })
+    }
+
+    /// [`Api::function`] for a function API 0.`minor` added: refused, naming both versions,
+    /// where the runtime says it speaks an older one.
+    #[doc(hidden)]
+    pub fn function_since<F>(
+        &self,
+        minor: i32,
+        offset: usize,
+        name: &'static str,
+        read: impl FnOnce(*const sys::XLA_FFI_Api) -> Option<F>,
+    ) -> FfiResult<F> {
+        if !self.speaks(minor) {
+            let (major, actual) = self.version();
+            return Err(FfiError::Unimplemented(format!(
+                "{name} is XLA FFI API 0.{minor}'s; the runtime speaks {major}.{actual} (a newer \
+                 jaxlib has it)"
+            )));
+        }
+        self.function(offset, name, read)
     }
 
     /// Builds an `XLA_FFI_Error` owned by the caller (XLA, when returned from a handler).
@@ -145,10 +170,11 @@ impl<'a> Api<'a> {
         unsafe { create(&mut args) }
     }
 
-    /// Whether the runtime speaks API 0.`minor` or newer.
+    /// Whether the runtime speaks API 0.`minor` or a newer 0.x (another major version breaks
+    /// compatibility: its table need not start with this one).
     pub fn speaks(&self, minor: i32) -> bool {
         let (major, actual) = self.version();
-        major > 0 || actual >= minor
+        major == sys::XLA_FFI_API_MAJOR && actual >= minor
     }
 
     /// Turns an error returned by an API call into an [`FfiError`] and destroys the original.

@@ -14,6 +14,8 @@
 //! nor initialize), and jaxlib 0.10.2 (API 0.3) has no extensions at all. The crate's tests run
 //! it against the fake runtime's extension.
 
+use std::marker::PhantomData;
+use std::mem::{offset_of, size_of};
 use std::ptr::{self, NonNull};
 
 use super::api::Api;
@@ -57,17 +59,22 @@ impl Communicator {
     }
 }
 
-/// The collectives extension of one call, valid for that call (`'a`).
+/// The collectives extension of one call, valid for that call (`'a`). Held as a raw pointer,
+/// not a reference: the runtime's extension may be a larger object of its own, which its
+/// functions reach through the pointer handed back to them (and may change during the call).
 #[derive(Clone, Copy)]
 pub struct Collectives<'a> {
-    raw: &'a v0_5::XLA_FFI_Collectives_Extension,
+    raw: NonNull<v0_5::XLA_FFI_Collectives_Extension>,
     api: Api<'a>,
     stage: Stage,
+    _life: PhantomData<&'a v0_5::XLA_FFI_Collectives_Extension>,
 }
 
 impl<'a> Collectives<'a> {
-    /// Checks an extension of type 129 the runtime attached: its size covers the mirror's
-    /// struct and its major version is the mirror's.
+    /// Checks an extension of type 129 the runtime attached: its major version is the
+    /// mirror's, and it is long enough for the communicator's two functions (the window
+    /// functions after them, which this wrapper does not call, may be missing from an older
+    /// minor version).
     ///
     /// # Safety
     /// `extension` must point to an extension of type 129 that lives for `'a`, readable for its
@@ -79,35 +86,39 @@ impl<'a> Collectives<'a> {
     ) -> FfiResult<Collectives<'a>> {
         // SAFETY: the head of an extension is readable (caller's contract).
         let head = unsafe { extension.as_ptr().read() };
-        if head.id.major_version != v0_5::XLA_FFI_Extension_Collectives_MajorVersion {
+        let (major, minor) = (head.id.major_version, head.id.minor_version);
+        let mirrored = (
+            v0_5::XLA_FFI_Extension_Collectives_MajorVersion,
+            v0_5::XLA_FFI_Extension_Collectives_MinorVersion,
+        );
+        if major != mirrored.0 {
             return Err(FfiError::Unimplemented(format!(
-                "the runtime's collectives extension is version {}.{}; this crate speaks {}.{}",
-                head.id.major_version,
-                head.id.minor_version,
-                v0_5::XLA_FFI_Extension_Collectives_MajorVersion,
-                v0_5::XLA_FFI_Extension_Collectives_MinorVersion
+                "the runtime's collectives extension is version {major}.{minor}; this crate \
+                 speaks {}.{}",
+                mirrored.0, mirrored.1
             )));
         }
-        if head.struct_size < v0_5::XLA_FFI_Collectives_Extension::STRUCT_SIZE {
-            return Err(FfiError::internal(format!(
-                "unexpected collectives extension size: expected at least {}, got {}",
-                v0_5::XLA_FFI_Collectives_Extension::STRUCT_SIZE,
+        let needed =
+            offset_of!(v0_5::XLA_FFI_Collectives_Extension, get_communicator) + size_of::<usize>();
+        if head.struct_size < needed {
+            return Err(FfiError::Unimplemented(format!(
+                "the runtime's collectives extension (version {major}.{minor}, {} bytes) ends \
+                 before its communicator functions ({needed} bytes)",
                 head.struct_size
             )));
         }
-        // SAFETY: the extension is a whole `XLA_FFI_Collectives_Extension` (size checked above)
-        // that lives for the call.
-        let raw = unsafe {
-            &*extension
-                .as_ptr()
-                .cast::<v0_5::XLA_FFI_Collectives_Extension>()
-        };
-        Ok(Collectives { raw, api, stage })
+        Ok(Collectives {
+            raw: extension.cast(),
+            api,
+            stage,
+            _life: PhantomData,
+        })
     }
 
     /// The extension's version (major, minor).
     pub fn version(&self) -> (i32, i32) {
-        let id = self.raw.extension_base.id;
+        // SAFETY: the head is readable for the call (`from_raw`'s contract).
+        let id = unsafe { ptr::addr_of!((*self.raw.as_ptr()).extension_base.id).read() };
         (id.major_version, id.minor_version)
     }
 
@@ -133,14 +144,16 @@ impl<'a> Collectives<'a> {
         communication_id: i64,
     ) -> FfiResult<()> {
         self.check_stage("requesting a communicator", &[Stage::Prepare])?;
-        let request = self.raw.request_communicator.ok_or_else(|| {
+        // SAFETY: `from_raw` checked that the extension covers its communicator functions.
+        let request = unsafe { ptr::addr_of!((*self.raw.as_ptr()).request_communicator).read() };
+        let request = request.ok_or_else(|| {
             FfiError::Unimplemented("the collectives extension has no request_communicator".into())
         })?;
         let groups = replica_groups(groups);
         let mut args = request_args(mode, &groups, communication_id);
         // SAFETY: `args` and the groups it points to are valid for the call; `raw` is the
-        // runtime's extension, passed back as its `self`.
-        let err = unsafe { request(self.raw, &mut args) };
+        // runtime's extension, passed back as its `self` with the provenance the runtime gave.
+        let err = unsafe { request(self.raw.as_ptr(), &mut args) };
         self.api.check("XLA_FFI_Communicator_Request", err)
     }
 
@@ -156,7 +169,9 @@ impl<'a> Collectives<'a> {
             "getting a communicator",
             &[Stage::Initialize, Stage::Execute],
         )?;
-        let get = self.raw.get_communicator.ok_or_else(|| {
+        // SAFETY: as in `request_communicator`.
+        let get = unsafe { ptr::addr_of!((*self.raw.as_ptr()).get_communicator).read() };
+        let get = get.ok_or_else(|| {
             FfiError::Unimplemented("the collectives extension has no get_communicator".into())
         })?;
         let groups = replica_groups(groups);
@@ -166,7 +181,7 @@ impl<'a> Collectives<'a> {
         };
         args.request.struct_size = v0_5::XLA_FFI_Communicator_Get_Args::STRUCT_SIZE;
         // SAFETY: as in `request_communicator`; the runtime writes the communicator.
-        let err = unsafe { get(self.raw, &mut args) };
+        let err = unsafe { get(self.raw.as_ptr(), &mut args) };
         self.api.check("XLA_FFI_Communicator_Get", err)?;
         NonNull::new(args.communicator)
             .map(Communicator)

@@ -22,7 +22,7 @@ use super::sys::{self, *};
 use super::types::StateTypeRegistration;
 
 mod v0_5;
-pub use v0_5::{FakeCollectives, FrozenAttrs, Request};
+pub use v0_5::{FakeCollectives, FrozenAttrs, Recorded, Request};
 
 // ---------------------------------------------------------------------------------------------
 // Errors
@@ -56,9 +56,11 @@ unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args)
     let error = unsafe { &*(*args).error.cast::<FakeError>() };
     // SAFETY: as above.
     unsafe { (*args).message = error.message.as_ptr() };
-    // SAFETY: args that declare the 0.5 size are a whole `GetDetails_Args`.
-    if unsafe { (*args).struct_size } > XLA_FFI_Error_GetMessage_Args::STRUCT_SIZE {
+    // SAFETY: valid args (as above).
+    let declared = unsafe { (*args).struct_size };
+    if declared >= sys::v0_5::XLA_FFI_Error_GetDetails_Args::STRUCT_SIZE {
         let details = args.cast::<sys::v0_5::XLA_FFI_Error_GetDetails_Args>();
+        // SAFETY: args that declare the 0.5 size are a whole `GetDetails_Args`.
         unsafe { (*details).errc = error.code.to_raw() };
     }
 }
@@ -216,7 +218,7 @@ pub struct FakeContext {
     pub inline_tasks: bool,
     allocations: Mutex<HashMap<usize, Vec<u64>>>,
     /// The collectives extension attached to calls ([`FakeContext::attach_collectives`]).
-    collectives: Option<Box<FakeCollectives>>,
+    collectives: Option<FakeCollectives>,
     /// The custom options of calls ([`FakeContext::set_custom_options`]); none: empty.
     custom_options: Option<FrozenAttrs>,
 }
@@ -662,22 +664,33 @@ pub fn api() -> *const XLA_FFI_Api {
 }
 
 /// Tables that declare fewer bytes than the mirror, one per size, made on first use.
-static SMALL_APIS: Lazy<Mutex<HashMap<usize, &'static SyncApi>>> = Lazy::new(Default::default);
+static SMALL_APIS: Lazy<Mutex<HashMap<(usize, i32), &'static SyncApi>>> =
+    Lazy::new(Default::default);
 
-/// A copy of the table that declares only `struct_size` bytes: an older runtime, whose version
-/// says 0.3 where the size is 0.3's or less.
+/// A copy of the table that declares `struct_size` bytes: an older runtime, whose version says
+/// 0.3 where the size is 0.3's or less (or a newer one that declares more than this mirror has:
+/// the crate reads only the fields it mirrors).
 ///
 /// A runtime's table lives as long as the process, and the trampoline relies on that (it
 /// remembers the last table it saw, for frames that come without one), so these tables are
 /// never freed either: each size is made once and kept here, where it stays reachable.
 pub fn api_with_size(struct_size: usize) -> *const XLA_FFI_Api {
+    let minor = if struct_size < sys::v0_5::XLA_FFI_Api::STRUCT_SIZE {
+        XLA_FFI_API_MINOR
+    } else {
+        sys::v0_5::XLA_FFI_API_MINOR
+    };
+    api_with_version(struct_size, minor)
+}
+
+/// A copy of the table that declares `struct_size` bytes and API version 0.`minor`, e.g. a table
+/// whose size and version disagree.
+pub fn api_with_version(struct_size: usize, minor: i32) -> *const XLA_FFI_Api {
     let mut tables = SMALL_APIS.lock();
-    let table = tables.entry(struct_size).or_insert_with(|| {
+    let table = tables.entry((struct_size, minor)).or_insert_with(|| {
         let mut table = build_api();
         table.v0_3.struct_size = struct_size;
-        if struct_size < sys::v0_5::XLA_FFI_Api::STRUCT_SIZE {
-            table.v0_3.api_version.minor_version = XLA_FFI_API_MINOR;
-        }
+        table.v0_3.api_version.minor_version = minor;
         Box::leak(Box::new(SyncApi(table)))
     });
     ptr::addr_of!(table.0).cast()

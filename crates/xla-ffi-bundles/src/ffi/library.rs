@@ -131,7 +131,8 @@ pub struct Library {
     pub origin: String,
     /// The xla-ffi-bundles version it was built with.
     pub crate_version: String,
-    /// The XLA FFI API version its handlers report.
+    /// The oldest XLA FFI API version its handlers run on; they report the newest that both
+    /// they and the runtime speak ([`super::metadata::reported_minor`]).
     pub xla_api_version: (i32, i32),
     /// The bundles, in table order.
     pub bundles: Vec<LibraryBundle>,

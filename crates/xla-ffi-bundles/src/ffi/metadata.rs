@@ -57,16 +57,28 @@ pub(crate) unsafe fn find_extension(
 /// The API minor version a handler reports to a runtime of version `runtime` (major, minor): the
 /// newest both speak. A runtime refuses a handler that reports a version newer than its own
 /// (jaxlib 0.10.2, API 0.3: "the handler's API version (0.5) is incompatible with the
-/// framework's API version (0.3)"), so 0.3 to runtimes older than 0.5 or of unknown version
-/// (this crate mirrors no 0.4), and 0.5 to 0.5 and newer ones.
+/// framework's API version (0.3)"), so 0.5 to 0.5 and newer 0.x runtimes, and 0.3 to the rest:
+/// older ones, those of unknown version (this crate mirrors no 0.4) and another major version
+/// (whose runtime says whether it still takes 0.3).
 pub fn reported_minor(runtime: Option<(i32, i32)>) -> i32 {
     match runtime {
-        Some((major, minor)) if major > 0 || minor >= sys::v0_5::XLA_FFI_API_MINOR => {
+        Some((major, minor))
+            if major == sys::XLA_FFI_API_MAJOR && minor >= sys::v0_5::XLA_FFI_API_MINOR =>
+        {
             sys::v0_5::XLA_FFI_API_MINOR
         }
         _ => sys::XLA_FFI_API_MINOR,
     }
 }
+
+/// The API minor version this copy of the crate last reported at registration (0 before any):
+/// what a handler of a library can tell a test about its own metadata answers, which XLA keeps
+/// to itself.
+pub fn last_reported_minor() -> i32 {
+    LAST_REPORTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static LAST_REPORTED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
 /// Fills in the metadata for `info`, reporting the API version [`reported_minor`] picks for the
 /// `runtime`'s version.
@@ -107,6 +119,7 @@ pub(crate) unsafe fn answer(
         major_version: sys::XLA_FFI_API_MAJOR,
         minor_version: reported_minor(runtime),
     };
+    LAST_REPORTED.store(version.minor_version, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: the metadata covers `api_version` and `traits` (its struct size was checked).
     unsafe {
         ptr::addr_of_mut!((*metadata).api_version).write(version);

@@ -540,7 +540,10 @@ fn old_api_table_reports_missing_functions() {
         .build(&ctx);
     let (code, message) = frame.call(execute(&SCALE)).unwrap_err();
     assert_eq!(code, ErrorCode::Unimplemented);
-    assert!(message.contains("has no XLA_FFI_State_Get"), "{message}");
+    assert!(
+        message.contains("(version 0.3, 112 bytes) ends before XLA_FFI_State_Get"),
+        "{message}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

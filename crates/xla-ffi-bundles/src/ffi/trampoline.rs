@@ -61,9 +61,14 @@ pub unsafe fn handle(
                 return Err(FfiError::invalid_argument(format!(
                     "wrong execution stage: this handler is for `{}`, the call is for `{}`",
                     info.stage,
-                    Stage::from_raw(frame.stage_raw())
-                        .map(|s| s.name().to_string())
-                        .unwrap_or_else(|| format!("stage {}", frame.stage_raw().0))
+                    match Stage::from_raw(frame.stage_raw()) {
+                        Some(s) => s.name().to_string(),
+                        // API 0.5's command-buffer recording, which no bundle here handles.
+                        None if frame.stage_raw() == sys::v0_5::XLA_FFI_ExecutionStage_RECORD => {
+                            "record".to_string()
+                        }
+                        None => format!("stage {}", frame.stage_raw().0),
+                    }
                 )));
             }
             body(&frame)

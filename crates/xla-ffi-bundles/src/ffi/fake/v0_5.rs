@@ -4,6 +4,7 @@
 
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -31,11 +32,7 @@ unsafe extern "C" fn find_extension(
         return make_error(ErrorCode::Internal, "no context");
     };
     args.extension = match &ctx.collectives {
-        // A pointer to the whole `FakeCollectives` (the extension is its first field), so that
-        // its functions may read the rest through the `self` they get back.
-        Some(c) if args.extension_type == v0_5::XLA_FFI_Extension_Collectives => {
-            ptr::addr_of!(**c).cast()
-        }
+        Some(c) if args.extension_type == v0_5::XLA_FFI_Extension_Collectives => c.extension(),
         // XLA answers an extension it does not have with null, not an error.
         _ => ptr::null(),
     };
@@ -70,11 +67,10 @@ unsafe extern "C" fn custom_options_get(
 /// One communicator request as the handler made it: mode, groups, communication id.
 pub type Request = (i32, Vec<Vec<i64>>, i64);
 
-/// A collectives extension: the C struct first (the runtime hands out a pointer to it, and its
-/// functions get it back as `self`), then what the fake keeps.
-#[repr(C)]
-pub struct FakeCollectives {
-    extension: v0_5::XLA_FFI_Collectives_Extension,
+/// What a collectives extension saw: the runtime's per-invocation state behind the extension's
+/// `state` pointer, as a runtime keeps its own.
+#[derive(Default)]
+pub struct Recorded {
     /// The requests made, in order.
     pub requests: Mutex<Vec<Request>>,
     /// Handles given out: the index of the request plus one, as a pointer, so that a test can
@@ -82,16 +78,24 @@ pub struct FakeCollectives {
     pub handed_out: Mutex<Vec<usize>>,
 }
 
-// SAFETY: the C struct is never changed after it is made (its pointers are null or functions);
-// what changes is behind mutexes.
+/// A collectives extension: the C struct the runtime hands out, whose `state` points to what
+/// it records.
+pub struct FakeCollectives {
+    extension: v0_5::XLA_FFI_Collectives_Extension,
+    recorded: Arc<Recorded>,
+}
+
+// SAFETY: the C struct is never changed after it is made (its pointers are null, functions, or
+// the `Arc`'s, which lives as long as it); what changes is behind the mutexes of `Recorded`.
 unsafe impl Sync for FakeCollectives {}
 // SAFETY: as above.
 unsafe impl Send for FakeCollectives {}
 
 impl FakeCollectives {
-    /// An extension of the version the mirror speaks (tests may edit `version`).
-    pub fn new(version: (i32, i32)) -> Box<FakeCollectives> {
-        Box::new(FakeCollectives {
+    /// An extension of `version` (the mirror's is (0, 2)).
+    pub fn new(version: (i32, i32)) -> FakeCollectives {
+        let recorded = Arc::new(Recorded::default());
+        FakeCollectives {
             extension: v0_5::XLA_FFI_Collectives_Extension {
                 extension_base: v0_5::XLA_FFI_Extension {
                     struct_size: v0_5::XLA_FFI_Collectives_Extension::STRUCT_SIZE,
@@ -102,16 +106,31 @@ impl FakeCollectives {
                     },
                     next: ptr::null(),
                 },
-                state: ptr::null_mut(),
+                state: Arc::as_ptr(&recorded).cast_mut().cast(),
                 request_communicator: Some(request_communicator),
                 get_communicator: Some(get_communicator),
                 request_window: None,
                 get_window: None,
             },
-            requests: Mutex::default(),
-            handed_out: Mutex::default(),
-        })
+            recorded,
+        }
     }
+
+    /// The extension, as the runtime hands it out: a pointer to the whole struct (its head is
+    /// its first field), through which its functions read `state`.
+    pub(super) fn extension(&self) -> *const v0_5::XLA_FFI_Extension {
+        ptr::addr_of!(self.extension).cast()
+    }
+}
+
+/// What the extension `this` records.
+///
+/// # Safety
+/// `this` must be a `FakeCollectives`' extension, alive for `'a`.
+unsafe fn recorded<'a>(this: *const v0_5::XLA_FFI_Collectives_Extension) -> &'a Recorded {
+    // SAFETY: the extension's `state` is its `Recorded` (`FakeCollectives::new`), shared and
+    // alive as long as the extension (caller's contract).
+    unsafe { &*ptr::addr_of!((*this).state).read().cast::<Recorded>() }
 }
 
 /// The request an args struct describes.
@@ -121,8 +140,12 @@ impl FakeCollectives {
 unsafe fn read_request(args: &v0_5::XLA_FFI_Communicator_Request_Args) -> Request {
     let groups = (0..args.num_groups)
         .map(|g| {
-            // SAFETY: `num_groups` groups, each `size` ids (caller's contract).
+            // SAFETY: `num_groups` groups (caller's contract).
             let group = unsafe { &*args.groups.add(g) };
+            if group.size == 0 {
+                return Vec::new();
+            }
+            // SAFETY: a group of `size` > 0 ids points to them (caller's contract).
             unsafe { std::slice::from_raw_parts(group.ids, group.size) }.to_vec()
         })
         .collect();
@@ -133,14 +156,15 @@ unsafe extern "C" fn request_communicator(
     this: *const v0_5::XLA_FFI_Collectives_Extension,
     args: *mut v0_5::XLA_FFI_Communicator_Request_Args,
 ) -> *mut sys::XLA_FFI_Error {
-    // SAFETY: `this` is the extension of a `FakeCollectives` (its first field); args are valid.
-    let (fake, args) = unsafe { (&*this.cast::<FakeCollectives>(), &*args) };
+    // SAFETY: `this` is a FakeCollectives' extension (the fake hands out no other); args are
+    // valid for the call.
+    let (recorded, args) = unsafe { (recorded(this), &*args) };
     if args.struct_size < v0_5::XLA_FFI_Communicator_Request_Args::STRUCT_SIZE {
         return make_error(ErrorCode::InvalidArgument, "request args too small");
     }
     // SAFETY: valid args.
     let request = unsafe { read_request(args) };
-    fake.requests.lock().push(request);
+    recorded.requests.lock().push(request);
     ptr::null_mut()
 }
 
@@ -149,35 +173,37 @@ unsafe extern "C" fn get_communicator(
     args: *mut v0_5::XLA_FFI_Communicator_Get_Args,
 ) -> *mut sys::XLA_FFI_Error {
     // SAFETY: as in `request_communicator`.
-    let (fake, args) = unsafe { (&*this.cast::<FakeCollectives>(), &mut *args) };
+    let (recorded, args) = unsafe { (recorded(this), &mut *args) };
     if args.request.struct_size < v0_5::XLA_FFI_Communicator_Get_Args::STRUCT_SIZE {
         return make_error(ErrorCode::InvalidArgument, "get args too small");
     }
     // SAFETY: valid args.
     let wanted = unsafe { read_request(&args.request) };
-    let Some(index) = fake.requests.lock().iter().position(|r| *r == wanted) else {
+    let Some(index) = recorded.requests.lock().iter().position(|r| *r == wanted) else {
         return make_error(
             ErrorCode::NotFound,
             &format!("no clique was requested for {wanted:?}"),
         );
     };
-    fake.handed_out.lock().push(index + 1);
+    recorded.handed_out.lock().push(index + 1);
     args.communicator = (index + 1) as *mut c_void as *mut v0_5::XLA_FFI_Communicator;
     ptr::null_mut()
 }
 
 impl FakeContext {
-    /// Attaches a collectives extension to this context's calls (an API 0.5 runtime that
-    /// supports it); the returned reference reads what the handler requested.
-    pub fn attach_collectives(&mut self, version: (i32, i32)) -> &FakeCollectives {
-        self.collectives.insert(FakeCollectives::new(version))
+    /// Attaches a collectives extension of `version` to this context's calls (an API 0.5
+    /// runtime that supports it).
+    pub fn attach_collectives(&mut self, version: (i32, i32)) {
+        self.collectives = Some(FakeCollectives::new(version));
     }
 
-    /// The collectives extension [`FakeContext::attach_collectives`] attached.
-    pub fn collectives(&self) -> &FakeCollectives {
-        self.collectives
-            .as_deref()
+    /// What the collectives extension [`FakeContext::attach_collectives`] attached recorded.
+    pub fn collectives(&self) -> &Recorded {
+        &self
+            .collectives
+            .as_ref()
             .expect("no collectives extension attached")
+            .recorded
     }
 
     /// Passes `options` as this context's custom options (API 0.5).

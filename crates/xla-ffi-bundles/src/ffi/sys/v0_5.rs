@@ -289,6 +289,32 @@ pub const ALL_STRUCTS: &[StructLayout] = &[
     XLA_FFI_Collectives_Extension::LAYOUT,
 ];
 
+/// The struct each `v0_3` or `request` field ([`super::PREFIX_FIELDS`]) holds, by the name of the
+/// struct that holds it: the layout test checks its fields where the header puts them.
+pub const PREFIXES: &[(&str, StructLayout)] = &[
+    (
+        "XLA_FFI_Error_GetDetails_Args",
+        super::XLA_FFI_Error_GetMessage_Args::LAYOUT,
+    ),
+    (
+        "XLA_FFI_Handler_Bundle",
+        super::XLA_FFI_Handler_Bundle::LAYOUT,
+    ),
+    ("XLA_FFI_Api", super::XLA_FFI_Api::LAYOUT),
+    (
+        "XLA_FFI_Communicator_Get_Args",
+        XLA_FFI_Communicator_Request_Args::LAYOUT,
+    ),
+    (
+        "XLA_FFI_Window_Request_Args",
+        XLA_FFI_Communicator_Request_Args::LAYOUT,
+    ),
+    (
+        "XLA_FFI_Window_Get_Args",
+        XLA_FFI_Communicator_Request_Args::LAYOUT,
+    ),
+];
+
 /// Every enum value of API 0.5 this crate mirrors, with the header's names.
 pub const ALL_ENUM_VALUES: &[&[(&str, c_int)]] = &[
     super::XLA_FFI_Extension_Type::VALUES,

@@ -24,7 +24,8 @@ fn handlers_report_the_newest_version_both_they_and_the_runtime_speak() {
     for (minor, expected) in [(1, 3), (3, 3), (4, 3), (5, 5), (6, 5)] {
         assert_eq!(reported_minor(Some((0, minor))), expected, "0.{minor}");
     }
-    assert_eq!(reported_minor(Some((1, 0))), 5);
+    // Another major version says itself whether it takes 0.3.
+    assert_eq!(reported_minor(Some((1, 0))), 3);
     assert_eq!(reported_minor(None), 3);
     let ctx = FakeContext::new();
     for (api, expected) in [(fake::api(), 5), (fake::api_v0_3(), 3)] {
@@ -192,4 +193,38 @@ fn custom_options_are_a_dictionary_empty_when_none_were_passed() {
     // Sorted by name, as XLA passes attributes.
     assert_eq!(options.name(0).unwrap(), b"mode");
     assert_eq!(options.name(1).unwrap(), b"tile");
+}
+
+#[test]
+fn a_0_5_function_is_refused_by_version_not_only_by_size() {
+    // A 0.3 runtime's table, even one as long as 0.5's, has no 0.5 functions; a 0.5 one has.
+    let full = sys::v0_5::XLA_FFI_Api::STRUCT_SIZE;
+    // SAFETY: the fake's tables live for the process.
+    let current = unsafe { Api::from_raw(fake::api_with_version(full, 5)) }.unwrap();
+    assert!(super::super::api::api_fn!(current, v0_5, XLA_FFI_CustomOptions_Get).is_ok());
+    for api in [fake::api_v0_3(), fake::api_with_version(full, 3)] {
+        // SAFETY: as above.
+        let api = unsafe { Api::from_raw(api) }.unwrap();
+        let found = super::super::api::api_fn!(api, v0_5, XLA_FFI_CustomOptions_Get);
+        let err = found.expect_err("refused");
+        assert_eq!(err.code(), ErrorCode::Unimplemented);
+        assert!(
+            err.to_string()
+                .contains("XLA_FFI_CustomOptions_Get is XLA FFI API 0.5's; the runtime speaks 0.3"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn a_record_stage_call_is_refused_by_name() {
+    let ctx = FakeContext::new();
+    let mut frame = FrameBuilder::new(Stage::Execute).build(&ctx);
+    frame.frame.stage = sys::v0_5::XLA_FFI_ExecutionStage_RECORD;
+    let (code, message) = frame.call(execute(&PROBE)).unwrap_err();
+    assert_eq!(code, ErrorCode::InvalidArgument);
+    assert!(
+        message.contains("this handler is for `execute`, the call is for `record`"),
+        "{message}"
+    );
 }
