@@ -101,15 +101,15 @@ rust-test: $(DEPS)
 # fake XLA runtime, the product's driver layer loading the fake libcuda of tests/cuda_emulator,
 # NVRTC from pip compiling the kernels, the kernels themselves (rmsnorm.cu as host C++) on the
 # CPU emulator; the planted bugs; the fake's checks. 6-8 minutes on 2 cores (both norms; measured
-# 376-470 s on this VM in stop 53).
+# 376-470 s on this VM in stop 53, 509 s beside the rest of rust-test in stop 54).
 gpu-emulate: $(DEPS)
 	$(SITE_PACKAGES) cargo test --features fake-runtime --test gpu_emulated
 
 # The emulated kernels under AddressSanitizer+UBSan (full sweep) and ThreadSanitizer (a subset,
 # and a planted race it must report), in a standalone C++ harness: TSan cannot see through the
 # uninstrumented Rust host; LayerNorm's kernels a sample. Two lanes at once (each build and run
-# is one process): 488 s on this VM in stop 54 while another make test ran beside it (sequential
-# and before the LayerNorm sample's trim: 547 s; 684 s in stop 53).
+# is one process): 267 s in a fresh clone's make test on this VM in stop 54 (the sweep's lane
+# 223 s, the other 266 s; 684 s one lane at a time in stop 53).
 gpu-sanitize:
 	tests/cuda_emulator/sanitize.sh target/gpu-sanitize
 
