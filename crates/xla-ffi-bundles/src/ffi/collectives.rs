@@ -140,7 +140,7 @@ impl<'a> Collectives<'a> {
     pub fn request_communicator(
         &self,
         mode: GroupMode,
-        groups: &[&[i64]],
+        groups: &ReplicaGroups,
         communication_id: i64,
     ) -> FfiResult<()> {
         self.check_stage("requesting a communicator", &[Stage::Prepare])?;
@@ -149,8 +149,7 @@ impl<'a> Collectives<'a> {
         let request = request.ok_or_else(|| {
             FfiError::Unimplemented("the collectives extension has no request_communicator".into())
         })?;
-        let groups = replica_groups(groups);
-        let mut args = request_args(mode, &groups, communication_id);
+        let mut args = request_args(mode, groups, communication_id);
         // SAFETY: `args` and the groups it points to are valid for the call; `raw` is the
         // runtime's extension, passed back as its `self` with the provenance the runtime gave.
         let err = unsafe { request(self.raw.as_ptr(), &mut args) };
@@ -158,11 +157,11 @@ impl<'a> Collectives<'a> {
     }
 
     /// The communicator XLA acquired for the same `groups` and `communication_id` that the
-    /// prepare stage requested. Initialize and execute stages.
+    /// prepare stage requested. Initialize and execute stages; allocates nothing.
     pub fn communicator(
         &self,
         mode: GroupMode,
-        groups: &[&[i64]],
+        groups: &ReplicaGroups,
         communication_id: i64,
     ) -> FfiResult<Communicator> {
         self.check_stage(
@@ -174,9 +173,8 @@ impl<'a> Collectives<'a> {
         let get = get.ok_or_else(|| {
             FfiError::Unimplemented("the collectives extension has no get_communicator".into())
         })?;
-        let groups = replica_groups(groups);
         let mut args = v0_5::XLA_FFI_Communicator_Get_Args {
-            request: request_args(mode, &groups, communication_id),
+            request: request_args(mode, groups, communication_id),
             communicator: ptr::null_mut(),
         };
         args.request.struct_size = v0_5::XLA_FFI_Communicator_Get_Args::STRUCT_SIZE;
@@ -193,28 +191,54 @@ impl<'a> Collectives<'a> {
     }
 }
 
-/// The C view of `groups`; it borrows them, so it must not outlive them.
-fn replica_groups(groups: &[&[i64]]) -> Vec<v0_5::XLA_FFI_ReplicaGroup> {
-    groups
-        .iter()
-        .map(|ids| v0_5::XLA_FFI_ReplicaGroup {
-            ids: ids.as_ptr(),
-            size: ids.len(),
-        })
-        .collect()
+/// Replica groups (device ids, each group a list) in the layout XLA reads, made once (at
+/// instantiate, kept in the state) so that asking for a communicator at execute allocates
+/// nothing.
+#[derive(Debug)]
+pub struct ReplicaGroups {
+    /// The ids; `raw` points into these boxes, which never move or change.
+    ids: Vec<Box<[i64]>>,
+    raw: Vec<v0_5::XLA_FFI_ReplicaGroup>,
 }
 
+// SAFETY: `raw` holds pointers into `ids`' boxes, owned by the same value and never changed
+// after `new`: sharing or moving it across threads shares or moves plain integers.
+unsafe impl Send for ReplicaGroups {}
+// SAFETY: as above; nothing is mutated through a shared reference.
+unsafe impl Sync for ReplicaGroups {}
+
+impl ReplicaGroups {
+    /// The groups `groups`, copied.
+    pub fn new(groups: &[&[i64]]) -> ReplicaGroups {
+        let ids: Vec<Box<[i64]>> = groups.iter().map(|g| Box::from(*g)).collect();
+        let raw = ids
+            .iter()
+            .map(|g| v0_5::XLA_FFI_ReplicaGroup {
+                ids: g.as_ptr(),
+                size: g.len(),
+            })
+            .collect();
+        ReplicaGroups { ids, raw }
+    }
+
+    /// The groups' ids.
+    pub fn groups(&self) -> impl Iterator<Item = &[i64]> {
+        self.ids.iter().map(|g| &g[..])
+    }
+}
+
+/// The request's C args; they point into `groups`, so must not outlive them.
 fn request_args(
     mode: GroupMode,
-    groups: &[v0_5::XLA_FFI_ReplicaGroup],
+    groups: &ReplicaGroups,
     communication_id: i64,
 ) -> v0_5::XLA_FFI_Communicator_Request_Args {
     v0_5::XLA_FFI_Communicator_Request_Args {
         struct_size: v0_5::XLA_FFI_Communicator_Request_Args::STRUCT_SIZE,
         extension_start: ptr::null_mut(),
         group_mode: mode.to_raw(),
-        groups: groups.as_ptr(),
-        num_groups: groups.len(),
+        groups: groups.raw.as_ptr(),
+        num_groups: groups.raw.len(),
         communication_id,
     }
 }

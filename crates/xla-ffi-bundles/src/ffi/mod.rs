@@ -66,7 +66,7 @@ pub use bundle::{
     Bundle, BundleDef, BundleState, Execute, Initialize, Instantiate, NoState, Prepare, StageTypes,
     Traits,
 };
-pub use collectives::{Collectives, Communicator, GroupMode};
+pub use collectives::{Collectives, Communicator, GroupMode, ReplicaGroups};
 pub use context::{Context, Extension, Stream};
 pub use dtype::{DataType, NativeType};
 pub use error::{DecodeErrors, ErrorCode, FfiError, FfiResult};

@@ -3,7 +3,7 @@
 //! and a 0.3 one (what jaxlib 0.12 and 0.10 hand a handler).
 
 use super::super::api::Api;
-use super::super::collectives::GroupMode;
+use super::super::collectives::{GroupMode, ReplicaGroups};
 use super::super::context::Context;
 use super::super::error::{ErrorCode, FfiError};
 use super::super::fake::{self, FakeContext, FrameBuilder, OwnedAttr};
@@ -62,7 +62,10 @@ fn runtime_errors_keep_their_code_where_the_runtime_says_it() {
     }
 }
 
-const GROUPS: [&[i64]; 2] = [&[0, 1], &[2, 3]];
+/// Two groups of two devices, as a handler would keep them in its state.
+fn groups() -> ReplicaGroups {
+    ReplicaGroups::new(&[&[0, 1], &[2, 3]])
+}
 
 #[test]
 fn a_communicator_is_requested_in_prepare_and_handed_out_in_execute() {
@@ -72,10 +75,14 @@ fn a_communicator_is_requested_in_prepare_and_handed_out_in_execute() {
     let collectives = prepare.collectives().unwrap().expect("attached");
     assert_eq!(collectives.version(), (0, 2));
     collectives
-        .request_communicator(GroupMode::CrossReplica, &GROUPS, 7)
+        .request_communicator(GroupMode::CrossReplica, &groups(), 7)
         .unwrap();
     collectives
-        .request_communicator(GroupMode::FlattenedId, &[&[0, 1, 2, 3]], 8)
+        .request_communicator(
+            GroupMode::FlattenedId,
+            &ReplicaGroups::new(&[&[0, 1, 2, 3]]),
+            8,
+        )
         .unwrap();
     let requests = ctx.collectives().requests.lock().clone();
     assert_eq!(
@@ -91,7 +98,11 @@ fn a_communicator_is_requested_in_prepare_and_handed_out_in_execute() {
             .unwrap()
             .unwrap();
         let second = collectives
-            .communicator(GroupMode::FlattenedId, &[&[0, 1, 2, 3]], 8)
+            .communicator(
+                GroupMode::FlattenedId,
+                &ReplicaGroups::new(&[&[0, 1, 2, 3]]),
+                8,
+            )
             .unwrap();
         assert_eq!(
             second.as_raw() as usize,
@@ -100,7 +111,7 @@ fn a_communicator_is_requested_in_prepare_and_handed_out_in_execute() {
         );
         // Groups that were never requested: the runtime's error, with its code (API 0.5).
         let err = collectives
-            .communicator(GroupMode::CrossReplica, &GROUPS, 9)
+            .communicator(GroupMode::CrossReplica, &groups(), 9)
             .unwrap_err();
         assert_eq!(err.code(), ErrorCode::NotFound, "{err}");
         assert!(err.to_string().contains("no clique was requested"), "{err}");
@@ -116,7 +127,7 @@ fn communicators_are_requested_and_got_only_in_their_stages() {
         .unwrap()
         .unwrap();
     let err = execute
-        .request_communicator(GroupMode::CrossReplica, &GROUPS, 7)
+        .request_communicator(GroupMode::CrossReplica, &groups(), 7)
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::FailedPrecondition);
     assert!(
@@ -129,7 +140,7 @@ fn communicators_are_requested_and_got_only_in_their_stages() {
         .unwrap()
         .unwrap();
     let err = prepare
-        .communicator(GroupMode::CrossReplica, &GROUPS, 7)
+        .communicator(GroupMode::CrossReplica, &groups(), 7)
         .unwrap_err();
     assert!(
         err.to_string()
