@@ -116,7 +116,7 @@ gpu-sanitize:
 # Every kernel's memory traffic, sector efficiency, access widths, ptxas registers and
 # occupancy, measured on the emulator (a standalone g++ build, no cargo), and the predicted
 # fraction of an H200's bandwidth (docs/gpu-traffic.md: the table and the model). Fails when a
-# kernel misses a target, and checks that three planted regressions fail it. 40-90 s on 2
+# kernel misses a target, and checks that three planted regressions fail it. 60-90 s on 2
 # cores. gpu-traffic-docs writes the tables into docs/ (commit docs/gpu-traffic-plans.txt with
 # any launch-plan change: plan.rs's unit test reads it).
 gpu-traffic: $(DEPS)
