@@ -876,7 +876,23 @@ fn row_sum_lanes<T: Element, W: Element, A: Accum>(
     w: Option<&[W]>,
     dy: &[T],
 ) -> (RowSum, RowSum) {
-    let (mut dot, mut sq) = (RowSum::new(), RowSum::new());
+    let mut sums = (RowSum::new(), RowSum::new());
+    add_row_sums::<T, W, A>(&mut sums, x, w, dy, true);
+    sums
+}
+
+/// Adds a piece of a row to its first-pass sums `(dot, sq)` ([`row_sums`]): the piece's blocks,
+/// and where `last`, the row's tail after its last whole chunk (which only the last piece has).
+/// Pieces of [`SUM_BLOCK`] elements from the row's start, in order, give [`row_sums`]'s bits:
+/// float16 rows widened a piece at a time (`cpu::widen`).
+#[inline(always)]
+pub fn add_row_sums<T: Element, W: Element, A: Accum>(
+    (dot, sq): &mut (RowSum, RowSum),
+    x: &[T],
+    w: Option<&[W]>,
+    dy: &[T],
+    last: bool,
+) {
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
     let blocks = xb.chunks(BLOCK_CHUNKS).zip(db.chunks(BLOCK_CHUNKS));
@@ -910,9 +926,10 @@ fn row_sum_lanes<T: Element, W: Element, A: Accum>(
             }
         }
     }
-    dot.add(&acc);
-    sq.add(&tail_squares::<T, A>(xt));
-    (dot, sq)
+    if last {
+        dot.add(&acc);
+        sq.add(&tail_squares::<T, A>(xt));
+    }
 }
 
 /// The last block of a row's `sum(g * x)` with a weight: its tail of fewer than [`LANES`]
@@ -967,7 +984,7 @@ pub fn backward_row<T: Element, W: Element, A: Accum>(
 /// The second pass of a backward row, given `c = mean(g * xhat)`: writes `dx` and, with
 /// `dw_acc`, adds `dy * xhat` to it. x and dy are read once more, from cache.
 #[inline(always)]
-fn backward_second_pass<T: Element, W: Element, A: Accum>(
+pub fn backward_second_pass<T: Element, W: Element, A: Accum>(
     x: &[T],
     w: Option<&[W]>,
     r: A,
@@ -1014,7 +1031,7 @@ fn backward_second_pass<T: Element, W: Element, A: Accum>(
 /// call that has a weight gradient), else their dx first and the gradient after.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
+pub fn backward_pair_second_pass<T: Element, W: Element, A: Accum>(
     (x0, x1): (&[T], &[T]),
     (w0, w1): (Option<&[W]>, Option<&[W]>),
     (r0, r1): (A, A),
@@ -1336,6 +1353,23 @@ pub fn backward_row_adding<T: Element, W: Element, A: Accum>(
         return;
     }
     let (r, c) = row_factors(rstd, 0, row_sums::<T, W, A>(x, w, dy), n);
+    adding_second_pass(x, w, r, c, dy, dh, dx, dw_acc);
+}
+
+/// [`backward_row_adding`]'s second pass, given the row's `(r, c)` ([`row_factors`]): element
+/// by element, so a row may be handed over a piece at a time (`cpu::widen`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn adding_second_pass<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    r: A,
+    c: A,
+    dy: &[T],
+    dh: &[T],
+    dx: &mut [T],
+    dw_acc: Option<&mut [A::Wide]>,
+) {
     // One loop per case, each without branches, so that they vectorize as
     // `backward_second_pass`'s do.
     let out = |xi: T, g: A, hi: T| (r * (g - A::load(xi) * r * c) + A::load(hi)).store::<T>();

@@ -716,7 +716,10 @@ impl ForwardCall<'_, '_, '_> {
                 || {
                     let x_rows: &[T] = match h {
                         Some((r, h)) => {
-                            add_into::<T, A>(&x[span.clone()], r, h);
+                            // float16 widened where F16C converts it (`widen`), the same bits.
+                            if !T::add_widened::<A>(kernel, &x[span.clone()], r, h) {
+                                add_into::<T, A>(&x[span.clone()], r, h);
+                            }
                             h
                         }
                         None => &x[span.clone()],
@@ -815,8 +818,34 @@ impl<T: CpuElement, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         kernel: Kernel,
         first: usize,
         dx_rows: &mut [T],
-        acc: Option<&mut [A::Wide]>,
+        mut acc: Option<&mut [A::Wide]>,
     ) {
+        // float16 rows longer than a widened block, a piece at a time (`widen`).
+        if self.n > WIDE_BLOCK {
+            let n = self.n;
+            let span = first * n..first * n + dx_rows.len();
+            let w_of = |i: usize| {
+                self.w
+                    .map(|w| &w[((first + i) / self.rows_per_group) * n..][..n])
+            };
+            let inputs = (
+                &self.x[span.clone()],
+                &self.dy[span.clone()],
+                self.dh.map(|dh| &dh[span]),
+            );
+            let rstd = self.rstd.from_row(first);
+            let acc = acc.as_deref_mut();
+            let widened = match self.moments {
+                Some(moments) => {
+                    let moments = moments.from_row(first);
+                    T::layer_backward_long_widened(kernel, inputs, n, w_of, moments, dx_rows, acc)
+                }
+                None => T::backward_long_widened(kernel, inputs, n, w_of, rstd, dx_rows, acc),
+            };
+            if widened {
+                return;
+            }
+        }
         // float16 through float32's loops where F16C converts it (`widen`), but the RMS
         // norm's on AVX-512, whose explicit loops convert it themselves; split rows as they are.
         let f16c = T::backward_widens(kernel, self.n)
@@ -971,7 +1000,8 @@ impl<T: CpuElement, W: Element, A: CpuAccum> BackwardInputs<'_, T, W, A> {
         match self.dh {
             Some(dh) if !same_type::<T, A>() => {
                 // Half precision, rows longer than WIDE_BLOCK (`run_rows` widens shorter
-                // ones): row by row, dx rounded once after dh is added.
+                // ones, and float16's longer ones where F16C converts it): row by row, dx
+                // rounded once after dh is added.
                 for (i, dx) in dx_rows.chunks_exact_mut(n).enumerate() {
                     let row = (first + i) * n..(first + i + 1) * n;
                     backward_row_adding::<T, W, A>(

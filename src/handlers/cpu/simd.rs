@@ -81,8 +81,16 @@ impl Kernel {
     /// slice conversion out of line, compiled for the baseline instruction set, even called
     /// alone in a context with F16C enabled (about a fifth of a float16 forward at 1024x1024,
     /// AVX2). Inlining the instructions would take `core::arch` intrinsics in this crate's code,
-    /// which keeps `unsafe` to the FFI and driver layers.
+    /// which keeps `unsafe` to the FFI and driver layers. On AVX-512 they are inlined, through
+    /// `pulp`'s safe wrappers of AVX-512F's `vcvtph2ps` (`cpu::avx512::f16_to_f32`); `pulp` has
+    /// none for F16C's 256-bit forms, which AVX2 machines would need.
+    #[inline(always)]
     pub fn f16_to_f32(self, src: &[f16], dst: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Kernel::Avx512(v4) = self {
+            super::avx512::f16_to_f32(v4, src, dst);
+            return true;
+        }
         if !self.has_f16c() {
             return false;
         }
@@ -91,8 +99,15 @@ impl Kernel {
     }
 
     /// `dst = src` rounded to nearest even by `half`'s slice conversion (F16C where the CPU has
-    /// it), where [`Kernel::has_f16c`]; false, having written nothing, elsewhere.
+    /// it; `vcvtps2ph` inlined on AVX-512), where [`Kernel::has_f16c`]; false, having written
+    /// nothing, elsewhere.
+    #[inline(always)]
     pub fn f32_to_f16(self, src: &[f32], dst: &mut [f16]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Kernel::Avx512(v4) = self {
+            super::avx512::f32_to_f16(v4, src, dst);
+            return true;
+        }
         if !self.has_f16c() {
             return false;
         }

@@ -1484,6 +1484,9 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         (2064, 4, 2),
         (4103, 5, 1),
         (6170, 5, 5),
+        // Rows of one block and a tail in a second piece, summed by trees.
+        (2056, 4, 1),
+        (2063, 2, 2),
     ] {
         check::<f32, f32>(n, rows, groups);
         check::<bf16, f32>(n, rows, groups);
@@ -1536,35 +1539,58 @@ fn layer_norm_backward_matches_the_scalar_path_on_every_instruction_set() {
             mean: &mean,
             rstd: &rstd,
         };
-        for moments in [given, Moments::FromX(eps)] {
-            for with_dh in [false, true] {
-                let run = |kernel: Kernel| {
-                    let inputs = BackwardInputs {
-                        x: &x,
-                        dy: &dy,
-                        rstd: math::Rstd::FromX(eps),
-                        w: Some(&w[..]),
-                        dh: with_dh.then_some(&dh[..]),
-                        n,
-                        rows_per_group: rows,
-                        kernel,
-                        moments: Some(moments),
-                    };
-                    let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
-                    inputs.run_rows(kernel, 0, &mut dx, Some(&mut acc));
-                    (nan_bits(&dx), nan_bits(&acc))
+        // A split row's apply pass: whole rows' sums as an all-reduce would hand them over.
+        let sums: Vec<f32> = values(3 * rows, 45)
+            .into_iter()
+            .enumerate()
+            .map(|(j, v)| if j % 3 == 1 { v * n as f32 } else { v })
+            .collect();
+        let split = Moments::Split(layer::SplitRows {
+            mean: Some(&mean),
+            rstd: Some(&rstd),
+            sums: &sums,
+            k: 3,
+            full_len: 3 * n,
+            eps,
+        });
+        // The gradient sums of the weight and the bias, of the weight alone, or none.
+        let acc_lens = [Some(2 * n), Some(n), None];
+        for (moments, with_dh, acc_len) in [given, Moments::FromX(eps), split]
+            .into_iter()
+            .flat_map(|m| [false, true].into_iter().map(move |dh| (m, dh)))
+            .flat_map(|(m, dh)| acc_lens.into_iter().map(move |a| (m, dh, a)))
+        {
+            let run = |kernel: Kernel| {
+                let inputs = BackwardInputs {
+                    x: &x,
+                    dy: &dy,
+                    rstd: math::Rstd::FromX(eps),
+                    w: Some(&w[..]),
+                    dh: with_dh.then_some(&dh[..]),
+                    n,
+                    rows_per_group: rows,
+                    kernel,
+                    moments: Some(moments),
                 };
-                let want = run(Kernel::Scalar);
-                for kernel in Kernel::available() {
-                    let what = format!(
-                        "{kernel:?} n={n} rows={rows} dh={with_dh} given={}",
-                        matches!(moments, Moments::Given { .. })
-                    );
-                    let (dx, acc) = run(kernel);
-                    let first_diff = dx.iter().zip(&want.0).position(|(a, b)| a != b);
-                    assert_eq!(first_diff, None, "dx {what}");
-                    assert_eq!(acc, want.1, "gradient sums {what}");
-                }
+                let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+                let acc_of = acc_len.map(|len| &mut acc[..len]);
+                inputs.run_rows(kernel, 0, &mut dx, acc_of);
+                (nan_bits(&dx), nan_bits(&acc))
+            };
+            let want = run(Kernel::Scalar);
+            for kernel in Kernel::available() {
+                let what = format!(
+                    "{kernel:?} n={n} rows={rows} dh={with_dh} sums of {acc_len:?} {}",
+                    match moments {
+                        Moments::Given { .. } => "given",
+                        Moments::FromX(_) => "from x",
+                        Moments::Split(_) => "split",
+                    }
+                );
+                let (dx, acc) = run(kernel);
+                let first_diff = dx.iter().zip(&want.0).position(|(a, b)| a != b);
+                assert_eq!(first_diff, None, "dx {what}");
+                assert_eq!(acc, want.1, "gradient sums {what}");
             }
         }
     }
@@ -1576,10 +1602,138 @@ fn layer_norm_backward_matches_the_scalar_path_on_every_instruction_set() {
         (1000, 5),
         (2048, 3),
         (2049, 2),
+        // Longer rows, float16 widened a piece at a time: a tail in a second piece (summed by
+        // trees), pieces whole, a tail alone, chunks and a tail.
+        (2063, 3),
+        (4096, 3),
+        (4103, 2),
+        (6170, 3),
     ] {
         check::<f32>(n, rows);
         check::<bf16>(n, rows);
         check::<f16>(n, rows);
+    }
+}
+
+#[test]
+fn long_float16_rows_backward_matches_the_scalar_path_on_every_instruction_set() {
+    // `BackwardInputs::run_rows` for the RMS norm's rows longer than a widened block: float16
+    // rows go through float32's loops a piece at a time where F16C converts them (`widen`),
+    // with and without dh, a weight, an accumulator; rows pair only with an accumulator and no
+    // dh, so odd counts leave a row alone. Every path gives the scalar path's bits for dx and
+    // the weight gradient, rstd given or taken from x.
+    fn check<T: CpuElement>(n: usize, rows: usize, rows_per_group: usize) {
+        let mut xs = values(n * rows, 51);
+        for (at, v) in [(n + 2, f32::NAN), (3, 3e4), (n * rows - 1, 6e4)] {
+            if let Some(slot) = xs.get_mut(at) {
+                *slot = v;
+            }
+        }
+        let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
+        let dy: Vec<T> = values(n * rows, 52).into_iter().map(T::from_f32).collect();
+        let dh: Vec<T> = values(n * rows, 53).into_iter().map(T::from_f32).collect();
+        let groups = rows.div_ceil(rows_per_group);
+        let w: Vec<f32> = values(n * groups, 54)
+            .into_iter()
+            .map(|v| v + 2.5)
+            .collect();
+        let rstd: Vec<f32> = values(rows, 55)
+            .into_iter()
+            .map(|v| v.abs() + 0.5)
+            .collect();
+        let start_acc: Vec<f64> = (0..n).map(|j| j as f64 * 0.125).collect();
+        let forms = [math::Rstd::Given(&rstd[..]), math::Rstd::FromX(1e-5)];
+        for (rstd, with_dh, with_w, with_acc) in forms
+            .into_iter()
+            .flat_map(|r| (0..8).map(move |k| (r, k & 1 == 1, k & 2 == 2, k & 4 == 4)))
+        {
+            // A weight gradient is summed per weight row: one group's rows at a time.
+            let with_acc = with_acc && (!with_w || groups == 1);
+            let run = |kernel: Kernel| {
+                let inputs = BackwardInputs {
+                    x: &x,
+                    dy: &dy,
+                    rstd,
+                    w: with_w.then_some(&w[..]),
+                    dh: with_dh.then_some(&dh[..]),
+                    n,
+                    rows_per_group,
+                    kernel,
+                    moments: None,
+                };
+                let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+                // Two calls, as two chunks of a call's rows (the second from an odd row).
+                let split = (rows / 2 + 1).min(rows);
+                let (dx0, dx1) = dx.split_at_mut(split * n);
+                inputs.run_rows(kernel, 0, dx0, with_acc.then_some(&mut acc[..]));
+                if !dx1.is_empty() {
+                    inputs.run_rows(kernel, split, dx1, with_acc.then_some(&mut acc[..]));
+                }
+                (nan_bits(&dx), nan_bits(&acc))
+            };
+            let want = run(Kernel::Scalar);
+            for kernel in Kernel::available() {
+                let what = format!(
+                    "{kernel:?} n={n} rows={rows} groups of {rows_per_group} dh={with_dh} \
+                     w={with_w} acc={with_acc} given={}",
+                    matches!(rstd, math::Rstd::Given(_))
+                );
+                let (dx, acc) = run(kernel);
+                let first_diff = dx.iter().zip(&want.0).position(|(a, b)| a != b);
+                assert_eq!(first_diff, None, "dx {what}");
+                assert_eq!(acc, want.1, "dweight {what}");
+            }
+        }
+    }
+    for (n, rows, per_group) in [
+        (2049, 1, 1),
+        (2056, 3, 3),
+        (4096, 2, 2),
+        (4111, 5, 5),
+        (6150, 4, 2),
+        (16384, 3, 3),
+    ] {
+        check::<f16>(n, rows, per_group);
+        check::<bf16>(n, rows, per_group);
+    }
+}
+
+#[test]
+fn widened_residual_add_matches_the_portable_one() {
+    // The fused residual's `h = x + residual` for float16 goes through float32 a piece at a time
+    // where F16C converts it (`widen`): `math::add_into`'s bits, sums rounding either way at
+    // the top of the range, overflowing, cancelling, NaN and infinity among them, over slices
+    // of every length to 17 (the conversions' remainders) and across pieces.
+    let mut x: Vec<f16> = values(5000, 61).into_iter().map(f16::from_f32).collect();
+    let mut r: Vec<f16> = values(5000, 62).into_iter().map(f16::from_f32).collect();
+    let special = [
+        (65504.0, 16.0),
+        (65504.0, 15.99),
+        (2048.0, 1.0),
+        (2049.0, 0.5),
+        (1.0, -1.0),
+        (6e-8, 6e-8),
+        (f32::NAN, 1.0),
+        (f32::INFINITY, -65504.0),
+    ];
+    for (k, (a, b)) in special.into_iter().enumerate() {
+        x[3 + 7 * k] = f16::from_f32(a);
+        r[3 + 7 * k] = f16::from_f32(b);
+        x[4100 + k] = f16::from_f32(a);
+        r[4100 + k] = f16::from_f32(b);
+    }
+    let mut want = vec![f16::ZERO; x.len()];
+    math::add_into::<f16, f32>(&x, &r, &mut want);
+    for kernel in Kernel::available().into_iter().filter(|k| k.has_f16c()) {
+        for len in (1..=17).chain([x.len()]) {
+            let mut h = vec![f16::ZERO; x.len()];
+            let pieces = x.chunks(len).zip(r.chunks(len)).zip(h.chunks_mut(len));
+            for ((xs, rs), hs) in pieces {
+                assert!(f16::add_widened::<f32>(kernel, xs, rs, hs));
+            }
+            let first_diff = (h.iter().zip(&want)).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(first_diff, None, "{kernel:?} in slices of {len}");
+        }
     }
 }
 

@@ -24,9 +24,11 @@ use half::f16;
 
 use super::forward_chunk;
 use super::simd::Kernel;
+use crate::handlers::math::layer::Moments;
 use crate::handlers::math::{
-    add_square_block, forward_scale, layer, rstd_of, tail_squares, Accum, Element, RowSum, Typed,
-    TypedMut, LANES, SUM_BLOCK,
+    add_row_sums, add_square_block, adding_second_pass, backward_pair_second_pass,
+    backward_second_pass, forward_scale, layer, row_factors, rstd_of, tail_squares, Accum, Element,
+    RowSum, Rstd, Typed, TypedMut, LANES, SUM_BLOCK,
 };
 
 /// Elements widened at a time: a block of whole rows of up to this many elements, in stack
@@ -231,6 +233,222 @@ fn layer_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
     }
 }
 
+/// The RMS norm's backward over float16 rows longer than [`WIDE_BLOCK`] (as many as `dx`
+/// holds), each row widened a piece of [`WIDE_BLOCK`] elements at a time twice: for its
+/// first-pass sums (each piece one of their blocks, `math::add_row_sums`, so `row_sums`'s bits),
+/// then for dx and the weight gradient (`math`'s second passes, element by element, dx narrowed
+/// back piece by piece). Rows as `math::backward_rows` takes them: in pairs when there is an
+/// accumulator (the pair's terms summed before they join it), else one by one. With `dh`, row
+/// by row as `math::backward_row_adding` (dh widened and added before dx's one rounding, each
+/// row's term added to the accumulator alone). Out of line, as [`in_blocks`], with a
+/// `kernel.run` per row or pair; six arrays of [`WIDE_BLOCK`] on the stack (48 KB in float32).
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn backward_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    (x, dy, dh): (&[f16], &[f16], Option<&[f16]>),
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    rstd: Rstd<'_, A>,
+    dx: &mut [f16],
+    mut acc: Option<&mut [A::Wide]>,
+) {
+    let [mut x0, mut x1, mut d0, mut d1, mut o0, mut o1] = [[A::ZERO; WIDE_BLOCK]; 6];
+    let rows = dx.len() / n;
+    let mut i = 0;
+    while i < rows {
+        let pair = dh.is_none() && acc.is_some() && i + 1 < rows;
+        kernel.run(
+            #[inline(always)]
+            || {
+                let row = |i: usize| (&x[i * n..][..n], &dy[i * n..][..n], w_of(i));
+                let (r0, c0) = long_row_factors(kernel, row(i), rstd.from_row(i), &mut x0, &mut d0);
+                let (r1, c1) = if pair {
+                    long_row_factors(kernel, row(i + 1), rstd.from_row(i + 1), &mut x1, &mut d1)
+                } else {
+                    (A::ZERO, A::ZERO)
+                };
+                for at in (0..n).step_by(WIDE_BLOCK) {
+                    let len = WIDE_BLOCK.min(n - at);
+                    let piece = |i: usize| i * n + at..i * n + at + len;
+                    let wp = |i: usize| w_of(i).map(|w| &w[at..][..len]);
+                    load_slice(kernel, &x[piece(i)], &mut x0[..len]);
+                    load_slice(kernel, &dy[piece(i)], &mut d0[..len]);
+                    let (xp, dp, op) = (&x0[..len], &d0[..len], &mut o0[..len]);
+                    match (acc.as_deref_mut().map(|a| &mut a[at..][..len]), dh) {
+                        (Some(a), None) if pair => {
+                            load_slice(kernel, &x[piece(i + 1)], &mut x1[..len]);
+                            load_slice(kernel, &dy[piece(i + 1)], &mut d1[..len]);
+                            backward_pair_second_pass::<A, W, A>(
+                                (xp, &x1[..len]),
+                                (wp(i), wp(i + 1)),
+                                (r0, r1),
+                                (c0, c1),
+                                (dp, &d1[..len]),
+                                (op, &mut o1[..len]),
+                                a,
+                            );
+                            store_slice(kernel, &o1[..len], &mut dx[piece(i + 1)]);
+                        }
+                        (a, Some(dh)) => {
+                            load_slice(kernel, &dh[piece(i)], &mut x1[..len]);
+                            let hp = &x1[..len];
+                            adding_second_pass::<A, W, A>(xp, wp(i), r0, c0, dp, hp, op, a);
+                        }
+                        (a, None) => backward_second_pass::<A, W, A>(xp, wp(i), r0, c0, dp, op, a),
+                    }
+                    store_slice(kernel, &o0[..len], &mut dx[piece(i)]);
+                }
+            },
+        );
+        i += if pair { 2 } else { 1 };
+    }
+}
+
+/// LayerNorm's backward over float16 rows longer than [`WIDE_BLOCK`] (as many as `dx` holds),
+/// row by row as `layer::backward_rows`, each row widened a piece of [`WIDE_BLOCK`] at a time:
+/// for its statistics where they come from x (`layer::stats_by_pieces`), its first-pass sums
+/// (`layer::gradient_sums_by_pieces`), then dx (dh added before its one rounding) and the
+/// weight's and bias's gradient sums (`layer::backward_apply_parts`), dx narrowed back piece
+/// by piece: `layer::backward_row`'s bits. Out of line, with a `kernel.run` per row; four arrays
+/// of [`WIDE_BLOCK`] on the stack.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn layer_backward_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    (x, dy, dh): (&[f16], &[f16], Option<&[f16]>),
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    moments: Moments<'_, A>,
+    dx: &mut [f16],
+    mut acc: Option<&mut [A::Wide]>,
+) {
+    let [mut xw, mut dw, mut hw, mut ow] = [[A::ZERO; WIDE_BLOCK]; 4];
+    for (i, dx) in dx.chunks_exact_mut(n).enumerate() {
+        kernel.run(
+            #[inline(always)]
+            || {
+                let (xr, dr, w) = (&x[i * n..][..n], &dy[i * n..][..n], w_of(i));
+                let g = match moments.from_row(i) {
+                    Moments::Split(rows) => rows.gradient(),
+                    Moments::Given { mean, rstd } => {
+                        layer_gradient(kernel, (xr, dr, w), mean[0], rstd[0], (&mut xw, &mut dw))
+                    }
+                    Moments::FromX(eps) => {
+                        let s = layer::stats_by_pieces::<A>(
+                            n,
+                            eps,
+                            &mut xw,
+                            #[inline(always)]
+                            |range, piece| load_slice(kernel, &xr[range], piece),
+                        );
+                        layer_gradient(kernel, (xr, dr, w), s.mean, s.rstd, (&mut xw, &mut dw))
+                    }
+                };
+                for at in (0..n).step_by(WIDE_BLOCK) {
+                    let range = at..(at + WIDE_BLOCK).min(n);
+                    let len = range.len();
+                    load_slice(kernel, &xr[range.clone()], &mut xw[..len]);
+                    load_slice(kernel, &dr[range.clone()], &mut dw[..len]);
+                    let hp = if let Some(dh) = dh {
+                        load_slice(kernel, &dh[i * n..][range.clone()], &mut hw[..len]);
+                        Some(&hw[..len])
+                    } else {
+                        None
+                    };
+                    let sums = match acc.as_deref_mut() {
+                        Some(a) => {
+                            let (aw, ab) = a.split_at_mut(n);
+                            let ab = (ab.len() >= n).then(|| &mut ab[range.clone()]);
+                            (Some(&mut aw[range.clone()]), ab)
+                        }
+                        None => (None, None),
+                    };
+                    let wp = w.map(|w| &w[range.clone()]);
+                    let (xp, dp, op) = (&xw[..len], &dw[..len], &mut ow[..len]);
+                    layer::backward_apply_parts::<A, W, A>(xp, wp, g, dp, hp, op, sums);
+                    store_slice(kernel, &ow[..len], &mut dx[range]);
+                }
+            },
+        );
+    }
+}
+
+/// A float16 LayerNorm row's backward coefficients given its mean and rstd
+/// (`layer::gradient_of`), its first-pass sums taken a piece at a time widened into `xw` and
+/// `dw` (`layer::gradient_sums_by_pieces`).
+#[inline(always)]
+fn layer_gradient<W: Element, A: Accum + CpuElement>(
+    kernel: Kernel,
+    (x, dy, w): (&[f16], &[f16], Option<&[W]>),
+    m: A,
+    r: A,
+    scratch: (&mut [A], &mut [A]),
+) -> layer::Gradient<A> {
+    let sums = layer::gradient_sums_by_pieces::<W, A>(
+        x.len(),
+        w,
+        m,
+        scratch,
+        #[inline(always)]
+        |range, xp, dp| {
+            load_slice(kernel, &x[range.clone()], xp);
+            load_slice(kernel, &dy[range], dp);
+        },
+    );
+    layer::gradient_of(sums, x.len(), m, r)
+}
+
+/// A float16 row's `(rstd, c)` (`math::row_factors`, row 0 of `rstd`) from its first-pass sums,
+/// the row widened into `xw` and `dw` a piece of [`WIDE_BLOCK`] at a time, each piece one block
+/// of the sums (`math::add_row_sums`): `math::row_sums`'s bits.
+#[inline(always)]
+fn long_row_factors<W: Element, A: Accum + CpuElement>(
+    kernel: Kernel,
+    (x, dy, w): (&[f16], &[f16], Option<&[W]>),
+    rstd: Rstd<'_, A>,
+    xw: &mut [A],
+    dw: &mut [A],
+) -> (A, A) {
+    let n = x.len();
+    let mut sums = (RowSum::new(), RowSum::new());
+    let pieces = n.div_ceil(WIDE_BLOCK);
+    for p in 0..pieces {
+        let at = p * WIDE_BLOCK..((p + 1) * WIDE_BLOCK).min(n);
+        let len = at.len();
+        load_slice(kernel, &x[at.clone()], &mut xw[..len]);
+        load_slice(kernel, &dy[at.clone()], &mut dw[..len]);
+        let wp = w.map(|w| &w[at]);
+        add_row_sums::<A, W, A>(&mut sums, &xw[..len], wp, &dw[..len], p + 1 == pieces);
+    }
+    row_factors(rstd, 0, (sums.0.total(), sums.1.total()), n)
+}
+
+/// `h = x + residual` over float16 rows, a piece of [`WIDE_BLOCK`] at a time: both widened to
+/// `A`, added, h rounded once (`math::add_into`'s bits: the conversions are exact, or round to
+/// nearest even, as its element-by-element ones). Out of line, with its own `kernel.run`, as
+/// [`in_blocks`]: two arrays on the stack, outside the forward's frame.
+#[inline(never)]
+fn add_widened<A: Accum + CpuElement>(kernel: Kernel, x: &[f16], residual: &[f16], h: &mut [f16]) {
+    let mut xw = [A::ZERO; WIDE_BLOCK];
+    let mut rw = [A::ZERO; WIDE_BLOCK];
+    kernel.run(
+        #[inline(always)]
+        || {
+            let pieces = x.chunks(WIDE_BLOCK).zip(residual.chunks(WIDE_BLOCK));
+            for ((xp, rp), hp) in pieces.zip(h.chunks_mut(WIDE_BLOCK)) {
+                let len = xp.len();
+                load_slice(kernel, xp, &mut xw[..len]);
+                load_slice(kernel, rp, &mut rw[..len]);
+                for (a, &b) in xw[..len].iter_mut().zip(&rw[..len]) {
+                    *a = *a + b;
+                }
+                store_slice(kernel, &xw[..len], hp);
+            }
+        },
+    )
+}
+
 /// An element type as the CPU kernels take it: float16 may go through float32's kernels (the
 /// module's doc); every other type runs its own, and the default methods decline.
 pub trait CpuElement: Element {
@@ -272,6 +490,51 @@ pub trait CpuElement: Element {
     /// kernels (`BackwardInputs::widened`) when it has no dh to add.
     #[inline(always)]
     fn backward_widens(_kernel: Kernel, _n: usize) -> bool {
+        false
+    }
+
+    /// LayerNorm's backward over rows longer than [`WIDE_BLOCK`] (as `layer::backward_rows`),
+    /// widened; false, having written nothing, where this type, `kernel` or `n` do not widen.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn layer_backward_long_widened<'w, W: Element + 'w, A: Accum + CpuElement>(
+        _kernel: Kernel,
+        _inputs: (&[Self], &[Self], Option<&[Self]>),
+        _n: usize,
+        _w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+        _moments: Moments<'_, A>,
+        _dx: &mut [Self],
+        _acc: Option<&mut [A::Wide]>,
+    ) -> bool {
+        false
+    }
+
+    /// `h = x + residual` (as `math::add_into`), widened; false, having written nothing, where
+    /// this type or `kernel` do not widen.
+    #[inline(always)]
+    fn add_widened<A: Accum + CpuElement>(
+        _kernel: Kernel,
+        _x: &[Self],
+        _residual: &[Self],
+        _h: &mut [Self],
+    ) -> bool {
+        false
+    }
+
+    /// The RMS norm's backward over rows longer than [`WIDE_BLOCK`] (as `math::backward_rows`,
+    /// or `math::backward_row_adding` row by row with dh), widened; false, having written
+    /// nothing, where this type, `kernel`, `n` or the call do not widen.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn backward_long_widened<'w, W: Element + 'w, A: Accum + CpuElement>(
+        _kernel: Kernel,
+        _inputs: (&[Self], &[Self], Option<&[Self]>),
+        _n: usize,
+        _w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+        _rstd: Rstd<'_, A>,
+        _dx: &mut [Self],
+        _acc: Option<&mut [A::Wide]>,
+    ) -> bool {
         false
     }
 }
@@ -332,7 +595,7 @@ impl CpuElement for f16 {
         mean: &mut [A],
         rstd: &mut [A],
     ) -> bool {
-        if kernel.has_f16c() && layer::blocked(n) {
+        if kernel.has_f16c() && n > WIDE_BLOCK {
             layer_long_rows::<W, A>(kernel, x, n, w_of, b_of, eps, y, mean, rstd);
             return true;
         }
@@ -361,5 +624,55 @@ impl CpuElement for f16 {
     #[inline(always)]
     fn backward_widens(kernel: Kernel, n: usize) -> bool {
         f16_widens(kernel, n)
+    }
+
+    #[inline(always)]
+    fn layer_backward_long_widened<'w, W: Element + 'w, A: Accum + CpuElement>(
+        kernel: Kernel,
+        inputs: (&[f16], &[f16], Option<&[f16]>),
+        n: usize,
+        w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+        moments: Moments<'_, A>,
+        dx: &mut [f16],
+        acc: Option<&mut [A::Wide]>,
+    ) -> bool {
+        if !kernel.has_f16c() || n <= WIDE_BLOCK {
+            return false;
+        }
+        layer_backward_long_rows::<W, A>(kernel, inputs, n, w_of, moments, dx, acc);
+        true
+    }
+
+    #[inline(always)]
+    fn add_widened<A: Accum + CpuElement>(
+        kernel: Kernel,
+        x: &[f16],
+        residual: &[f16],
+        h: &mut [f16],
+    ) -> bool {
+        if !kernel.has_f16c() {
+            return false;
+        }
+        add_widened::<A>(kernel, x, residual, h);
+        true
+    }
+
+    #[inline(always)]
+    fn backward_long_widened<'w, W: Element + 'w, A: Accum + CpuElement>(
+        kernel: Kernel,
+        inputs: (&[f16], &[f16], Option<&[f16]>),
+        n: usize,
+        w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+        rstd: Rstd<'_, A>,
+        dx: &mut [f16],
+        acc: Option<&mut [A::Wide]>,
+    ) -> bool {
+        // Without dh, AVX-512's explicit loops convert float16 themselves (`cpu::avx512`).
+        let avx512_loops = inputs.2.is_none() && kernel.has_avx512();
+        if !kernel.has_f16c() || n <= WIDE_BLOCK || avx512_loops {
+            return false;
+        }
+        backward_long_rows::<W, A>(kernel, inputs, n, w_of, rstd, dx, acc);
+        true
     }
 }

@@ -180,7 +180,7 @@ pub fn gradient_of<A: Accum>([s1, sg, sgc]: [f64; 3], n: usize, m: A, r: A) -> G
 #[allow(clippy::needless_range_loop)] // a tail element's index is also its lane
 fn sums<A: Accum, const K: usize>(
     n: usize,
-    chunk: impl Fn(usize) -> [[A; LANES]; K],
+    chunk: impl Fn(usize) -> [[A; LANES]; K] + Copy,
     tail: impl Fn(usize) -> [A; K],
 ) -> [f64; K] {
     let chunks = n / LANES;
@@ -192,7 +192,7 @@ fn sums<A: Accum, const K: usize>(
         }
     }
     if chunks <= BLOCK_CHUNKS {
-        let acc = block::<A, K>(&chunk, 0, chunks);
+        let acc = block::<A, K>(chunk, 0, chunks);
         let mut out = [0.0; K];
         for k in 0..K {
             // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
@@ -206,7 +206,7 @@ fn sums<A: Accum, const K: usize>(
     }
     let mut out = [RowSum::new(); K];
     for first in (0..chunks).step_by(BLOCK_CHUNKS) {
-        let acc = block::<A, K>(&chunk, first, (first + BLOCK_CHUNKS).min(chunks));
+        let acc = block::<A, K>(chunk, first, (first + BLOCK_CHUNKS).min(chunks));
         for k in 0..K {
             out[k].add(&acc[k]);
         }
@@ -225,10 +225,13 @@ fn sums<A: Accum, const K: usize>(
 /// bfloat16); the chunks are a block of at most [`SUM_BLOCK`] elements, read again from L1.
 /// The same additions in the same order either way: the same bits. A function, not a closure
 /// bound by `let` in [`sums`]: such a closure stayed out of line, compiled for the baseline
-/// instruction set outside the SIMD context (`#[inline(always)]` cannot be put on one).
+/// instruction set outside the SIMD context (`#[inline(always)]` cannot be put on one). `chunk`
+/// is taken by value (the callers' closures are `Copy`), so a caller can hand over a closure
+/// marked `#[inline(always)]`: a let-bound one, or a reference to one (`Fn for &F`'s shim),
+/// stayed out of line in the float16 backward's pieces (`perf`: 1.7 ms against 1.0).
 #[inline(always)]
 fn block<A: Accum, const K: usize>(
-    chunk: &impl Fn(usize) -> [[A; LANES]; K],
+    chunk: impl Fn(usize) -> [[A; LANES]; K],
     first: usize,
     last: usize,
 ) -> [[A; LANES]; K] {
@@ -330,11 +333,60 @@ pub fn blocked(n: usize) -> bool {
     n / LANES > BLOCK_CHUNKS
 }
 
-/// [`stats`] of a row of `n` ([`blocked`]) in `A`, handed over a piece at a time: `load(range,
-/// buf)` fills `buf` with the row's elements `range` (pieces of [`SUM_BLOCK`] from the row's
-/// start; `scratch` holds one), twice (the mean's pass and the centred sums'). Each piece is
-/// one of the sums' blocks and the tail comes last, as `sums` takes them: [`stats`]'s bits.
-/// For float16 rows widened piece by piece (`cpu::widen`).
+/// [`sums`]' totals for a row of `n` handed over a piece of [`SUM_BLOCK`] elements at a time,
+/// from the row's start, in order: `piece(p, last)` loads piece `p` and returns the lane sums of
+/// its whole chunks ([`block`]; `None` where it has none) and, where `last`, its tail's terms
+/// (as [`sums`]' `tail`; zeros otherwise). The same blocks, tail and totals as [`sums`], for a
+/// blocked row or not: its bits. For float16 rows widened piece by piece (`cpu::widen`).
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+pub fn sums_by_pieces<A: Accum, const K: usize>(
+    n: usize,
+    mut piece: impl FnMut(usize, bool) -> (Option<[[A; LANES]; K]>, [[A; LANES]; K]),
+) -> [f64; K] {
+    let pieces = n.div_ceil(SUM_BLOCK);
+    let mut blocks = [RowSum::new(); K];
+    let mut first = [[A::ZERO; LANES]; K];
+    let mut tails = [[A::ZERO; LANES]; K];
+    for p in 0..pieces {
+        let last = p + 1 == pieces;
+        let (acc, t) = piece(p, last);
+        if last {
+            tails = t;
+        }
+        if let Some(acc) = acc {
+            if blocked(n) {
+                for (b, a) in blocks.iter_mut().zip(&acc) {
+                    b.add(a);
+                }
+            } else {
+                // One block at most: the first piece's (a row of 2049-2063 has its tail in a
+                // second piece), totalled by trees below.
+                first = acc;
+            }
+        }
+    }
+    let mut out = [0.0; K];
+    if !blocked(n) {
+        for k in 0..K {
+            out[k] = if n.is_multiple_of(LANES) {
+                tree_total(&first[k])
+            } else {
+                tree_total(&first[k]) + tree_total(&tails[k])
+            };
+        }
+        return out;
+    }
+    for (b, t) in blocks.iter_mut().zip(&tails) {
+        b.add(t);
+    }
+    RowSum::totals(blocks)
+}
+
+/// [`stats`] of a row of `n` in `A`, handed over a piece at a time: `load(range, buf)` fills
+/// `buf` with the row's elements `range` (pieces of [`SUM_BLOCK`] from the row's start;
+/// `scratch` holds one), twice (the mean's pass and the centred sums'), summed by
+/// [`sums_by_pieces`]: [`stats`]'s bits. For float16 rows widened piece by piece (`cpu::widen`).
 #[inline(always)]
 pub fn stats_by_pieces<A: Accum>(
     n: usize,
@@ -342,54 +394,113 @@ pub fn stats_by_pieces<A: Accum>(
     scratch: &mut [A],
     mut load: impl FnMut(std::ops::Range<usize>, &mut [A]),
 ) -> Stats<A> {
-    debug_assert!(blocked(n) && scratch.len() >= SUM_BLOCK);
-    let pieces = n.div_ceil(SUM_BLOCK);
-    let mut m = A::ZERO;
-    let mut out = [[0.0; 2]; 2];
-    for (pass, out) in out.iter_mut().enumerate() {
-        let mut row = [RowSum::new(); 2];
-        let mut tails = [[A::ZERO; LANES]; 2];
-        for p in 0..pieces {
-            let range = p * SUM_BLOCK..((p + 1) * SUM_BLOCK).min(n);
-            let piece = &mut scratch[..range.len()];
-            load(range, piece);
+    debug_assert!(n > 0 && scratch.len() >= SUM_BLOCK.min(n));
+    let range = |p: usize| p * SUM_BLOCK..((p + 1) * SUM_BLOCK).min(n);
+    let [s] = sums_by_pieces::<A, 1>(
+        n,
+        #[inline(always)]
+        |p, last| {
+            let piece = &mut scratch[..range(p).len()];
+            load(range(p), piece);
             let (xb, xt) = piece.as_chunks::<LANES>();
-            if !xb.is_empty() {
-                let acc = if pass == 0 {
-                    let [a] = block::<A, 1>(&|c| [xb[c]], 0, xb.len());
-                    [a, [A::ZERO; LANES]]
-                } else {
-                    block::<A, 2>(&|c| centred_terms(xb[c], m), 0, xb.len())
-                };
-                for (r, a) in row.iter_mut().zip(&acc) {
-                    r.add(a);
-                }
+            let acc = if xb.is_empty() {
+                None
+            } else {
+                Some(block::<A, 1>(
+                    #[inline(always)]
+                    |c| [xb[c]],
+                    0,
+                    xb.len(),
+                ))
+            };
+            let mut tails = [[A::ZERO; LANES]];
+            if last {
+                tails[0][..xt.len()].copy_from_slice(xt);
             }
-            if p + 1 == pieces {
+            (acc, tails)
+        },
+    );
+    let m = A::from_f64(s / n as f64);
+    let [s1, s2] = sums_by_pieces::<A, 2>(
+        n,
+        #[inline(always)]
+        |p, last| {
+            let piece = &mut scratch[..range(p).len()];
+            load(range(p), piece);
+            let (xb, xt) = piece.as_chunks::<LANES>();
+            let acc = if xb.is_empty() {
+                None
+            } else {
+                Some(block::<A, 2>(
+                    #[inline(always)]
+                    |c| centred_terms(xb[c], m),
+                    0,
+                    xb.len(),
+                ))
+            };
+            let mut tails = [[A::ZERO; LANES]; 2];
+            if last {
                 for (j, &v) in xt.iter().enumerate() {
                     let d = v - m;
-                    (tails[0][j], tails[1][j]) = if pass == 0 { (v, A::ZERO) } else { (d, d * d) };
+                    (tails[0][j], tails[1][j]) = (d, d * d);
                 }
             }
-        }
-        for (r, t) in row.iter_mut().zip(&tails) {
-            r.add(t);
-        }
-        *out = if pass == 0 {
-            [RowSum::totals([row[0]])[0], 0.0]
-        } else {
-            RowSum::totals(row)
-        };
-        if pass == 0 {
-            m = A::from_f64(out[0] / n as f64);
-        }
-    }
-    let (shift, rstd) = shift_and_rstd(out[1][0], out[1][1], n, eps);
+            (acc, tails)
+        },
+    );
+    let (shift, rstd) = shift_and_rstd(s1, s2, n, eps);
     Stats {
         mean: m,
         shift,
         rstd,
     }
+}
+
+/// [`gradient_sums`] of a row of `n` in `A`, handed over a piece at a time: `load(range, x,
+/// dy)` fills `x` and `dy` with the row's elements `range` (as [`stats_by_pieces`]), `w` the
+/// row's weight (in `A`, as the CPU hands it over), summed by [`sums_by_pieces`]: its bits.
+#[inline(always)]
+pub fn gradient_sums_by_pieces<W: Element, A: Accum + Element>(
+    n: usize,
+    w: Option<&[W]>,
+    m: A,
+    (xs, dys): (&mut [A], &mut [A]),
+    mut load: impl FnMut(std::ops::Range<usize>, &mut [A], &mut [A]),
+) -> [f64; 3] {
+    let range = |p: usize| p * SUM_BLOCK..((p + 1) * SUM_BLOCK).min(n);
+    sums_by_pieces::<A, 3>(
+        n,
+        #[inline(always)]
+        |p, last| {
+            let len = range(p).len();
+            let (x, dy) = (&mut xs[..len], &mut dys[..len]);
+            load(range(p), x, dy);
+            let (xb, xt) = x.as_chunks::<LANES>();
+            let (db, dt) = dy.as_chunks::<LANES>();
+            let w = w.map(|w| &w[range(p)]);
+            let wb = w.map(|w| w.as_chunks::<LANES>());
+            let acc = if xb.is_empty() {
+                None
+            } else {
+                Some(block::<A, 3>(
+                    #[inline(always)]
+                    |k| gradient_terms(xb[k], db[k], wb.map(|(wb, _)| &wb[k]), m),
+                    0,
+                    xb.len(),
+                ))
+            };
+            let mut tails = [[A::ZERO; LANES]; 3];
+            if last {
+                for j in 0..xt.len() {
+                    let t = gradient_tail(xt[j], dt[j], wb.map(|(_, wt)| wt[j]), m);
+                    for (tk, v) in tails.iter_mut().zip(t) {
+                        tk[j] = v;
+                    }
+                }
+            }
+            (acc, tails)
+        },
+    )
 }
 
 /// The mean of a row, rounded once to `A`.
@@ -633,34 +744,45 @@ pub fn gradient_sums<T: Element, W: Element, A: Accum>(
     let (xb, xt) = x.as_chunks::<LANES>();
     let (db, dt) = dy.as_chunks::<LANES>();
     let wb = w.map(|w| w.as_chunks::<LANES>());
-    let terms = |c: A, g: A| [c, g, g * c];
     sums::<A, 3>(
         x.len(),
         #[inline(always)]
-        |k| {
-            let mut c = widen::<T, A>(&xb[k]);
-            let mut g = widen::<T, A>(&db[k]);
-            if let Some((wb, _)) = wb {
-                for (g, w) in g.iter_mut().zip(widen::<W, A>(&wb[k])) {
-                    *g = *g * w;
-                }
-            }
-            let mut gc = [A::ZERO; LANES];
-            for ((o, c), &g) in gc.iter_mut().zip(c.iter_mut()).zip(&g) {
-                *c = *c - m;
-                *o = g * *c;
-            }
-            [c, g, gc]
-        },
+        |k| gradient_terms(xb[k], db[k], wb.map(|(wb, _)| &wb[k]), m),
         #[inline(always)]
-        |j| {
-            let g = A::load(dt[j]);
-            terms(
-                A::load(xt[j]) - m,
-                wb.map_or(g, |(_, wt)| g * A::load(wt[j])),
-            )
-        },
+        |j| gradient_tail(xt[j], dt[j], wb.map(|(_, wt)| wt[j]), m),
     )
+}
+
+/// A chunk's terms of [`gradient_sums`]: `x - m`, `g = dy * w` (or `dy`) and `g * (x - m)`.
+#[inline(always)]
+fn gradient_terms<T: Element, W: Element, A: Accum>(
+    x: [T; LANES],
+    dy: [T; LANES],
+    w: Option<&[W; LANES]>,
+    m: A,
+) -> [[A; LANES]; 3] {
+    let mut c = widen::<T, A>(&x);
+    let mut g = widen::<T, A>(&dy);
+    if let Some(w) = w {
+        for (g, w) in g.iter_mut().zip(widen::<W, A>(w)) {
+            *g = *g * w;
+        }
+    }
+    let mut gc = [A::ZERO; LANES];
+    for ((o, c), &g) in gc.iter_mut().zip(c.iter_mut()).zip(&g) {
+        *c = *c - m;
+        *o = g * *c;
+    }
+    [c, g, gc]
+}
+
+/// A tail element's terms of [`gradient_sums`] (as [`gradient_terms`]).
+#[inline(always)]
+fn gradient_tail<T: Element, W: Element, A: Accum>(x: T, dy: T, w: Option<W>, m: A) -> [A; 3] {
+    let g = A::load(dy);
+    let g = w.map_or(g, |w| g * A::load(w));
+    let c = A::load(x) - m;
+    [c, g, g * c]
 }
 
 /// A row's second backward pass given its coefficients (see [`backward_row`]).
@@ -675,6 +797,36 @@ pub fn backward_apply<T: Element, W: Element, A: Accum>(
     acc: Option<&mut [A::Wide]>,
 ) {
     let n = x.len();
+    let (dw, db) = match acc {
+        Some(acc) => {
+            let (dw, db) = acc.split_at_mut(n);
+            (Some(dw), (db.len() >= n).then(|| &mut db[..n]))
+        }
+        None => (None, None),
+    };
+    backward_apply_parts::<T, W, A>(x, w, g, dy, dh, dx, (dw, db));
+}
+
+/// A row's (or a piece's) weight-gradient sums and bias-gradient sums, where a call has them.
+pub type GradientSums<'a, A> = (
+    Option<&'a mut [<A as Accum>::Wide]>,
+    Option<&'a mut [<A as Accum>::Wide]>,
+);
+
+/// [`backward_apply`] with the weight's gradient sums and the bias's (where the call has them)
+/// in slices of their own, element by element: a row may be handed over a piece at a time
+/// (`cpu::widen`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_apply_parts<T: Element, W: Element, A: Accum>(
+    x: &[T],
+    w: Option<&[W]>,
+    g: Gradient<A>,
+    dy: &[T],
+    dh: Option<&[T]>,
+    dx: &mut [T],
+    (dw, db): GradientSums<'_, A>,
+) {
     let Gradient {
         mean: m,
         shift: d,
@@ -707,17 +859,23 @@ pub fn backward_apply<T: Element, W: Element, A: Accum>(
             }
         }
     }
-    let Some(acc) = acc else { return };
-    let (dw, db) = acc.split_at_mut(n);
-    if db.len() >= n {
-        for (((aw, ab), &v), &dv) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(dy) {
-            let gy = A::load(dv);
-            *aw = aw.add((gy * xhat(v)).to_f64());
-            *ab = ab.add(gy.to_f64());
+    match (dw, db) {
+        (Some(dw), Some(db)) => {
+            for (((aw, ab), &v), &dv) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(dy) {
+                let gy = A::load(dv);
+                *aw = aw.add((gy * xhat(v)).to_f64());
+                *ab = ab.add(gy.to_f64());
+            }
         }
-    } else {
-        for ((aw, &v), &dv) in dw.iter_mut().zip(x).zip(dy) {
-            *aw = aw.add((A::load(dv) * xhat(v)).to_f64());
+        (Some(dw), None) => {
+            for ((aw, &v), &dv) in dw.iter_mut().zip(x).zip(dy) {
+                *aw = aw.add((A::load(dv) * xhat(v)).to_f64());
+            }
+        }
+        (None, db) => {
+            for (ab, &dv) in db.into_iter().flatten().zip(dy) {
+                *ab = ab.add(A::load(dv).to_f64());
+            }
         }
     }
 }
