@@ -11,11 +11,13 @@
 //! bit (every half, and floats at every rounding boundary, `cpu::tests`).
 //!
 //! Both forwards widen longer rows too, row by row, a piece at a time (`forward_long_rows`,
-//! `layer_long_rows`; LayerNorm's from 2064 elements, where its sums run block by block). The
+//! `layer_long_rows`, `layer::sums_by_pieces` taking its sums as `layer::sums` does). The
 //! scalar context keeps the integer conversions (the reference the others are tested against),
-//! as do the backward of rows longer than [`WIDE_BLOCK`], LayerNorm's rows of 2049-2063 and
-//! split rows. The RMS norm's explicit AVX-512 loops convert float16 themselves
-//! (`cpu::avx512`) and come first where they apply.
+//! as do split rows. Both backwards widen rows longer than [`WIDE_BLOCK`] a piece at a time
+//! too (`backward_long_rows`, `layer_backward_long_rows`), and the fused residual add widens
+//! (`add_widened`). The RMS norm's explicit AVX-512 loops convert float16 themselves
+//! (`cpu::avx512`) and come first where they apply; on AVX-512 the slice conversions here are
+//! inlined `vcvtph2ps`/`vcvtps2ph` (`Kernel::f16_to_f32`).
 //!
 //! Through XLA (jax 0.10.2, AVX2 without AVX-512), the float16 RMS forward at 8192x64 took
 //! 1.56 ms before and 0.65 after (bfloat16: 0.44); `make bench` figures in docs/speed.md.
@@ -182,8 +184,7 @@ fn forward_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
     }
 }
 
-/// LayerNorm's forward over float16 rows whose sums run block by block (`layer::blocked`: over
-/// 2063 elements), row by row, each row widened a piece of [`WIDE_BLOCK`] elements at a time
+/// LayerNorm's forward over float16 rows longer than [`WIDE_BLOCK`], row by row, each row widened a piece of [`WIDE_BLOCK`] elements at a time
 /// three times: for the mean, the centred sums (`layer::stats_by_pieces`: [`layer::stats`]'s
 /// bits) and y (`layer::forward_apply`, narrowed back piece by piece), as [`forward_long_rows`].
 #[inline(never)]

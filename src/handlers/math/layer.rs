@@ -333,10 +333,10 @@ pub fn blocked(n: usize) -> bool {
     n / LANES > BLOCK_CHUNKS
 }
 
-/// [`sums`]' totals for a row of `n` handed over a piece of [`SUM_BLOCK`] elements at a time,
+/// `sums`' totals for a row of `n` handed over a piece of [`SUM_BLOCK`] elements at a time,
 /// from the row's start, in order: `piece(p, last)` loads piece `p` and returns the lane sums of
-/// its whole chunks ([`block`]; `None` where it has none) and, where `last`, its tail's terms
-/// (as [`sums`]' `tail`; zeros otherwise). The same blocks, tail and totals as [`sums`], for a
+/// its whole chunks (`block`; `None` where it has none) and, where `last`, its tail's terms
+/// (as `sums`' `tail`; zeros otherwise). The same blocks, tail and totals as `sums`, for a
 /// blocked row or not: its bits. For float16 rows widened piece by piece (`cpu::widen`).
 #[inline(always)]
 #[allow(clippy::type_complexity)]
@@ -402,22 +402,14 @@ pub fn stats_by_pieces<A: Accum>(
         |p, last| {
             let piece = &mut scratch[..range(p).len()];
             load(range(p), piece);
-            let (xb, xt) = piece.as_chunks::<LANES>();
-            let acc = if xb.is_empty() {
-                None
-            } else {
-                Some(block::<A, 1>(
-                    #[inline(always)]
-                    |c| [xb[c]],
-                    0,
-                    xb.len(),
-                ))
-            };
-            let mut tails = [[A::ZERO; LANES]];
-            if last {
-                tails[0][..xt.len()].copy_from_slice(xt);
-            }
-            (acc, tails)
+            piece_terms::<A, 1>(
+                piece,
+                last,
+                #[inline(always)]
+                |x| [x],
+                #[inline(always)]
+                |v| [v],
+            )
         },
     );
     let m = A::from_f64(s / n as f64);
@@ -427,25 +419,17 @@ pub fn stats_by_pieces<A: Accum>(
         |p, last| {
             let piece = &mut scratch[..range(p).len()];
             load(range(p), piece);
-            let (xb, xt) = piece.as_chunks::<LANES>();
-            let acc = if xb.is_empty() {
-                None
-            } else {
-                Some(block::<A, 2>(
-                    #[inline(always)]
-                    |c| centred_terms(xb[c], m),
-                    0,
-                    xb.len(),
-                ))
-            };
-            let mut tails = [[A::ZERO; LANES]; 2];
-            if last {
-                for (j, &v) in xt.iter().enumerate() {
+            piece_terms::<A, 2>(
+                piece,
+                last,
+                #[inline(always)]
+                |x| centred_terms(x, m),
+                #[inline(always)]
+                |v| {
                     let d = v - m;
-                    (tails[0][j], tails[1][j]) = (d, d * d);
-                }
-            }
-            (acc, tails)
+                    [d, d * d]
+                },
+            )
         },
     );
     let (shift, rstd) = shift_and_rstd(s1, s2, n, eps);
@@ -454,6 +438,38 @@ pub fn stats_by_pieces<A: Accum>(
         shift,
         rstd,
     }
+}
+
+/// A piece's part of [`sums_by_pieces`]: the lane sums of its whole chunks' terms (`chunk` of
+/// each chunk; `None` without any) and, where `last`, its tail's terms (`tail` of each element).
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+fn piece_terms<A: Accum, const K: usize>(
+    piece: &[A],
+    last: bool,
+    chunk: impl Fn([A; LANES]) -> [[A; LANES]; K],
+    tail: impl Fn(A) -> [A; K],
+) -> (Option<[[A; LANES]; K]>, [[A; LANES]; K]) {
+    let (xb, xt) = piece.as_chunks::<LANES>();
+    let acc = if xb.is_empty() {
+        None
+    } else {
+        Some(block::<A, K>(
+            #[inline(always)]
+            |c| chunk(xb[c]),
+            0,
+            xb.len(),
+        ))
+    };
+    let mut tails = [[A::ZERO; LANES]; K];
+    if last {
+        for (j, &v) in xt.iter().enumerate() {
+            for (t, v) in tails.iter_mut().zip(tail(v)) {
+                t[j] = v;
+            }
+        }
+    }
+    (acc, tails)
 }
 
 /// [`gradient_sums`] of a row of `n` in `A`, handed over a piece at a time: `load(range, x,
