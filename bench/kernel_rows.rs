@@ -1,5 +1,6 @@
-//! The CPU kernels alone, one thread, no XLA: nanoseconds per row of the forward and of the
-//! backward (with a weight and its gradient) at a few row lengths, so per-row costs can be
+//! The CPU kernels alone, one thread, no XLA: nanoseconds per row of the forward, of the
+//! backward (with a weight and its gradient) and of LayerNorm's forward (weight and bias) at a
+//! few row lengths, so per-row costs can be
 //! profiled (`perf record`) without the call frame, the thread pool or Python around them.
 //!
 //!     cargo run --release --example kernel_rows [-- [f32|bf16|f16] ROWSxN ...]
@@ -12,7 +13,9 @@
 use std::time::Instant;
 
 use half::{bf16, f16};
-use rmsnorm_ffi::handlers::cpu::{backward_chunk, forward_chunk, simd::Kernel, widen::CpuElement};
+use rmsnorm_ffi::handlers::cpu::{
+    backward_chunk, forward_chunk, layer_forward_chunk, simd::Kernel, widen::CpuElement,
+};
 use rmsnorm_ffi::handlers::math::Rstd;
 
 fn median_ns_per_row(rows: usize, mut f: impl FnMut()) -> f64 {
@@ -98,6 +101,27 @@ fn rows_of<T: CpuElement>(args: &[String], dtype: &str) {
                 },
             )
         });
+        let b: Vec<f32> = (0..n).map(|i| (i % 7) as f32 / 50.0).collect();
+        let mut mean = vec![0f32; rows];
+        let layer = median_ns_per_row(rows, || {
+            kernel.run(
+                #[inline(always)]
+                || {
+                    layer_forward_chunk::<T, f32, f32>(
+                        kernel,
+                        &x,
+                        n,
+                        |_| Some(&w[..]),
+                        |_| Some(&b[..]),
+                        1e-6,
+                        None,
+                        &mut y,
+                        Some(&mut mean),
+                        &mut rstd,
+                    )
+                },
+            )
+        });
         let floor = median_ns_per_row(rows, || {
             kernel.run(
                 #[inline(always)]
@@ -129,9 +153,10 @@ fn rows_of<T: CpuElement>(args: &[String], dtype: &str) {
             )
         });
         println!(
-            "{rows:>6}x{n:<6} forward {fwd:8.1}  backward {bwd:8.1}  x*c {floor:8.1}  ({:.2} / {:.2} / {:.2} ns per element)",
+            "{rows:>6}x{n:<6} forward {fwd:8.1}  backward {bwd:8.1}  layer fwd {layer:8.1}  x*c {floor:8.1}  ({:.2} / {:.2} / {:.2} / {:.2} ns per element)",
             fwd / n as f64,
             bwd / n as f64,
+            layer / n as f64,
             floor / n as f64
         );
     }

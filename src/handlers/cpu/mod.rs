@@ -370,6 +370,19 @@ static THREAD_CAP: once_cell::sync::Lazy<Option<usize>> = once_cell::sync::Lazy:
 /// Chunks still follow the shape's plan, so the results are the same bits either way.
 pub const INLINE_BYTES: usize = 2 << 20;
 
+/// A call's work in the bytes [`INLINE_BYTES`] was measured in (the float32 RMS norm's): `arrays`
+/// arrays of x's `elements`, each element counted at least as a float32 one, and LayerNorm's
+/// forward twice the RMS norm's. A half-precision element costs about what a float32 one does
+/// (its conversions take the place of the bytes it saves), and LayerNorm's forward about twice
+/// the RMS norm's (a second pass over the row and a bias): `bench/kernel_rows.rs`, 8192x64, one
+/// thread, AVX-512, forward 17.8 / 20.3 / 17.3 ns per row (float32, bfloat16, float16),
+/// LayerNorm's 41.5 / 50.5 / 48.7. Counted in bytes, a half-precision or LayerNorm call ran on
+/// one thread where its float32 RMS twin ran on two (LayerNorm's bfloat16 forward at 8192x64:
+/// 1.43x Flax's time).
+fn work_bytes<T>(elements: usize, arrays: usize, layer: bool) -> usize {
+    elements * std::mem::size_of::<T>().max(4) * arrays * if layer { 2 } else { 1 }
+}
+
 /// Threads a call that moves `bytes` may use: XLA's intra-op pool size (the calling thread is
 /// one of them), or 1 up to [`INLINE_BYTES`].
 fn workers(ctx: &Context<'_>, bytes: usize) -> usize {
@@ -673,7 +686,8 @@ impl ForwardCall<'_, '_, '_> {
             return Ok(());
         }
         // x read and y written, and with a residual, the residual read and h written.
-        let bytes = std::mem::size_of_val(x) * if res.is_some() { 4 } else { 2 };
+        let arrays = if res.is_some() { 4 } else { 2 };
+        let bytes = work_bytes::<T>(x.len(), arrays, mean.is_some());
         let plan = Plan::split(rows, n, FORWARD_CHUNK_ELEMENTS, MAX_CHUNKS);
         let element_bounds = &plan.scaled(n)[..plan.count() + 1];
         let y_chunks = DisjointChunks::new(y, element_bounds)?;
@@ -1207,7 +1221,7 @@ impl BackwardCall<'_, '_, '_> {
         } = slices;
         let kernel = self.state.kernel;
         // x and dy read, dx written (the weight and its gradient are one row each).
-        let workers = workers(self.ctx, 3 * std::mem::size_of_val(x));
+        let workers = workers(self.ctx, work_bytes::<T>(x.len(), 3, false));
         let rows_per_group = self.layout.rows_per_group().max(1);
         let inputs = BackwardInputs {
             x,
