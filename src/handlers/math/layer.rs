@@ -192,17 +192,7 @@ fn sums<A: Accum, const K: usize>(
         }
     }
     if chunks <= BLOCK_CHUNKS {
-        let acc = block::<A, K>(chunk, 0, chunks);
-        let mut out = [0.0; K];
-        for k in 0..K {
-            // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
-            out[k] = if n.is_multiple_of(LANES) {
-                tree_total(&acc[k])
-            } else {
-                tree_total(&acc[k]) + tree_total(&tails[k])
-            };
-        }
-        return out;
+        return tree_totals(n, &block::<A, K>(chunk, 0, chunks), &tails);
     }
     let mut out = [RowSum::new(); K];
     for first in (0..chunks).step_by(BLOCK_CHUNKS) {
@@ -257,6 +247,26 @@ fn widen<T: Element, A: Accum>(chunk: &[T; LANES]) -> [A; LANES] {
         *o = A::load(x);
     }
     v
+}
+
+/// The totals of a row of `n` that is one block at most: its block's lanes and its tail's, each
+/// by [`tree_total`] (see `sums`).
+#[inline(always)]
+fn tree_totals<A: Accum, const K: usize>(
+    n: usize,
+    acc: &[[A; LANES]; K],
+    tails: &[[A; LANES]; K],
+) -> [f64; K] {
+    let mut out = [0.0; K];
+    for k in 0..K {
+        // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
+        out[k] = if n.is_multiple_of(LANES) {
+            tree_total(&acc[k])
+        } else {
+            tree_total(&acc[k]) + tree_total(&tails[k])
+        };
+    }
+    out
 }
 
 /// The float64 sum of [`LANES`] accumulators, pairwise in a fixed order (lane `l` with lane
@@ -366,16 +376,8 @@ pub fn sums_by_pieces<A: Accum, const K: usize>(
             }
         }
     }
-    let mut out = [0.0; K];
     if !blocked(n) {
-        for k in 0..K {
-            out[k] = if n.is_multiple_of(LANES) {
-                tree_total(&first[k])
-            } else {
-                tree_total(&first[k]) + tree_total(&tails[k])
-            };
-        }
-        return out;
+        return tree_totals(n, &first, &tails);
     }
     for (b, t) in blocks.iter_mut().zip(&tails) {
         b.add(t);
