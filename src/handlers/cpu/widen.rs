@@ -184,8 +184,8 @@ fn forward_long_rows<'w, W: Element + 'w, A: Accum + CpuElement>(
     }
 }
 
-/// LayerNorm's forward over float16 rows longer than [`WIDE_BLOCK`], row by row, each row widened a piece of [`WIDE_BLOCK`] elements at a time
-/// three times: for the mean, the centred sums (`layer::stats_by_pieces`: [`layer::stats`]'s
+/// LayerNorm's forward over float16 rows longer than [`WIDE_BLOCK`], row by row, each row
+/// widened a piece of [`WIDE_BLOCK`] elements at a time three times: for the mean, the centred sums (`layer::stats_by_pieces`: [`layer::stats`]'s
 /// bits) and y (`layer::forward_apply`, narrowed back piece by piece), as [`forward_long_rows`].
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
