@@ -463,7 +463,8 @@ impl RowSum {
     /// Adds one block of accumulators.
     #[inline(always)]
     pub fn add<A: Accum>(&mut self, block: &[A; LANES]) {
-        for ((hi, lo), b) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(block) {
+        let block = summed_lanes(*block);
+        for ((hi, lo), b) in self.hi.iter_mut().zip(self.lo.iter_mut()).zip(&block) {
             let (s, e) = two_sum(*hi, b.to_f64());
             *hi = s;
             *lo += e;
@@ -496,6 +497,21 @@ impl RowSum {
     pub fn total(self) -> f64 {
         RowSum::totals([self])[0]
     }
+}
+
+/// A block's [`LANES`] accumulators as they leave the loop that summed them, through an
+/// optimization barrier (`std::hint::black_box`: the same values, stored and reloaded).
+///
+/// Why: LLVM's SLP vectorizer, working back from what consumes the lanes (a float32 lane
+/// widened to float64, a float64 vector holding fewer lanes than a float32 one; or LayerNorm's
+/// pairwise tree), re-vectorized the summing loop to match: on AVX-512, LayerNorm's row sum ran
+/// in 2-lane `xmm` pieces with a shuffle per load (`perf`, float32 16384x1024 through XLA: the
+/// load at the head of that loop held 45% of the kernel's samples), and on AVX2 every portable
+/// sum of squares ran 4 lanes wide where 8 fit (`ymm`). Behind the barrier the loop sums in
+/// whole vectors of the instruction set and the consumer starts from memory.
+#[inline(always)]
+pub fn summed_lanes<A: Accum>(acc: [A; LANES]) -> [A; LANES] {
+    std::hint::black_box(acc)
 }
 
 /// A compensated total from its sum and error term. An infinite sum has NaN error terms

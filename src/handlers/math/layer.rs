@@ -23,7 +23,9 @@
 //! [`SUM_BLOCK`] elements, added into compensated float64 lanes), so the error does not grow
 //! with the row and the bits are the same on every instruction set.
 
-use super::{Accum, Element, RowSum, WideSum, BLOCK_CHUNKS, LANES, NARROW_BATCH, SUM_BLOCK};
+use super::{
+    summed_lanes, Accum, Element, RowSum, WideSum, BLOCK_CHUNKS, LANES, NARROW_BATCH, SUM_BLOCK,
+};
 
 /// A row's statistics: the mean rounded once to `A` (what the forward returns), the mean of
 /// the deviations from it (`d` above), and rstd.
@@ -260,10 +262,11 @@ fn tree_totals<A: Accum, const K: usize>(
     let mut out = [0.0; K];
     for k in 0..K {
         // A row of whole chunks has no tail to total (most rows: 64, 128, ...).
+        let lanes = summed_lanes(acc[k]);
         out[k] = if n.is_multiple_of(LANES) {
-            tree_total(&acc[k])
+            tree_total(&lanes)
         } else {
-            tree_total(&acc[k]) + tree_total(&tails[k])
+            tree_total(&lanes) + tree_total(&tails[k])
         };
     }
     out
