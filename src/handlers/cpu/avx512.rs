@@ -16,7 +16,9 @@
 //!    uses it, and the group's x and dy are re-read from L2;
 //! 4. narrow rows (whole vectors, up to 256 elements), in the forward and the backward's first
 //!    pass: batches of 8 rows whose sums' totals run side by side, one row per float64 lane
-//!    (see `narrow`).
+//!    (see `narrow`); and LayerNorm's statistics of such rows the same way;
+//! 5. LayerNorm's forward over rows of one block, each row written while the next is summed
+//!    (`layer_forward_rows`).
 //!
 //! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
 //! AVX-512 context it is compiled into. A second `V4::vectorize` nested in that context kept
@@ -59,11 +61,14 @@
 //! 1.16x, one thread).
 
 use core::any::TypeId;
-use core::arch::x86_64::{__m256, __m256i, __m512, __m512d, __m512i, _CMP_EQ_OQ, _CMP_UNORD_Q};
+use core::arch::x86_64::{
+    __m256, __m256i, __m512, __m512d, __m512i, _CMP_EQ_OQ, _CMP_LT_OQ, _CMP_UNORD_Q,
+};
 
 use half::{bf16, f16};
 use pulp::x86::V4;
 
+use crate::handlers::math::layer;
 use crate::handlers::math::{
     row_factors, rstd_of, tail_dot, tail_squares, Accum, Element, RowSum, Rstd, Typed, TypedMut,
     WideSum, BLOCK_CHUNKS, LANES,
@@ -550,6 +555,340 @@ fn narrow_forward<'w, X: Lane, W: Lane + 'w, A: Accum>(
             scale_row(s, xr, w_of(b * NARROW_BATCH + k), r[k], yr);
         }
     }
+}
+
+/// LayerNorm's forward over `rstd.len()` consecutive rows of `n`, as `layer::forward_rows`
+/// computes it, when x is float32, bfloat16 or float16, the weight and bias one of those, the
+/// accumulator float32, and a row one block of its sums (`math::SUM_BLOCK`) of whole vectors
+/// (the rows of 16 to 2048 that models use). Returns false, having written nothing, otherwise.
+///
+/// Narrow rows (see [`narrow`]) in batches of [`NARROW_BATCH`] whose statistics run side by side
+/// ([`layer_stats8`]); the others (and a batch's rest) one after the other, each row's `y`
+/// written in the loop that sums the next row ([`layer_row`]), as the RMS norm's groups overlap
+/// the next rows' reads with this group's stores.
+///
+/// Why: in the portable loops each row's three sums end in a pairwise tree of 16 float64 lanes
+/// that LLVM compiled two lanes at a time (at rows of 128, bfloat16, 16384 rows through XLA:
+/// the trees and statistics were 30% of the kernel's samples), the applying loop converted
+/// bfloat16 16 lanes at a time with a lane-crossing narrowing (35%), and a row's first read
+/// waited on memory with nothing else in flight (float32 16384x1024: the load at the head of
+/// the sum's loop held 38% of the kernel's samples).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn layer_forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
+    s: V4,
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    b_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: A,
+    y: &mut [T],
+    mean: &mut [A],
+    rstd: &mut [A],
+) -> bool {
+    if TypeId::of::<A>() != TypeId::of::<f32>()
+        || n == 0
+        || !n.is_multiple_of(LANES)
+        || n / LANES > BLOCK_CHUNKS
+    {
+        return false;
+    }
+    // eps is float32 here, so this conversion is exact.
+    let eps = eps.to_f64() as f32;
+    let stats = (mean, rstd);
+    match (T::typed(x), T::typed_mut(y)) {
+        (Typed::F32(x), TypedMut::F32(y)) => layer_weights(s, x, n, w_of, b_of, eps, y, stats),
+        (Typed::Bf16(x), TypedMut::Bf16(y)) => layer_weights(s, x, n, w_of, b_of, eps, y, stats),
+        (Typed::F16(x), TypedMut::F16(y)) => layer_weights(s, x, n, w_of, b_of, eps, y, stats),
+        _ => false,
+    }
+}
+
+/// [`layer_forward_rows`] once x's type is known: the weight's and bias's (one type).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn layer_weights<'w, X: Lane, W: Element + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    b_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: f32,
+    y: &mut [X],
+    stats: (&mut [A], &mut [A]),
+) -> bool {
+    match W::typed(&[]) {
+        Typed::F32(_) => {
+            let w = |i| w_of(i).and_then(|w| f32::of(W::typed(w)));
+            let b = |i| b_of(i).and_then(|b| f32::of(W::typed(b)));
+            layer_rows(s, x, n, w, b, eps, y, stats);
+        }
+        Typed::Bf16(_) => {
+            let w = |i| w_of(i).and_then(|w| bf16::of(W::typed(w)));
+            let b = |i| b_of(i).and_then(|b| bf16::of(W::typed(b)));
+            layer_rows(s, x, n, w, b, eps, y, stats);
+        }
+        Typed::F16(_) => {
+            let w = |i| w_of(i).and_then(|w| f16::of(W::typed(w)));
+            let b = |i| b_of(i).and_then(|b| f16::of(W::typed(b)));
+            layer_rows(s, x, n, w, b, eps, y, stats);
+        }
+        Typed::Other => return false,
+    }
+    true
+}
+
+/// [`layer_forward_rows`] once every type is known.
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn layer_rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
+    s: V4,
+    x: &[X],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]>,
+    b_of: impl Fn(usize) -> Option<&'w [W]>,
+    eps: f32,
+    y: &mut [X],
+    (mean, rstd): (&mut [A], &mut [A]),
+) {
+    let rows = rstd.len();
+    // The statistics are float32 here, so their conversions to A are exact.
+    let mut record = |i: usize, [m, _, r]: [f32; 3]| {
+        (mean[i], rstd[i]) = (A::from_f64(m as f64), A::from_f64(r as f64));
+    };
+    let mut first = 0;
+    if narrow(n) {
+        first = rows / NARROW_BATCH * NARROW_BATCH;
+        let batch = NARROW_BATCH * n;
+        for (b, (xb, yb)) in x[..first * n]
+            .chunks_exact(batch)
+            .zip(y.chunks_exact_mut(batch))
+            .enumerate()
+        {
+            let [m, d, r] = layer_stats8(s, xb, n, eps as f64);
+            for (k, (xr, yr)) in xb.chunks_exact(n).zip(yb.chunks_exact_mut(n)).enumerate() {
+                let i = b * NARROW_BATCH + k;
+                let stats = [m[k], d[k], r[k]];
+                layer_row(s, xr, w_of(i), b_of(i), stats, yr, None);
+                record(i, stats);
+            }
+        }
+    }
+    if first == rows {
+        return;
+    }
+    let mut sum = row_lanes(s, &x[first * n..][..n]);
+    for i in first..rows {
+        let xr = &x[i * n..][..n];
+        let stats = layer_stats1(s, xr, sum, n, eps);
+        let next = x.get((i + 1) * n..(i + 2) * n).filter(|_| i + 1 < rows);
+        sum = layer_row(s, xr, w_of(i), b_of(i), stats, &mut y[i * n..][..n], next);
+        record(i, stats);
+    }
+}
+
+/// A row's sum as 16 float32 lanes (as `layer::row_sum` takes it before its total).
+#[inline(always)]
+fn row_lanes<X: Lane>(s: V4, row: &[X]) -> __m512 {
+    let f = s.avx512f;
+    let mut q = f._mm512_setzero_ps();
+    for c in row.as_chunks::<LANES>().0 {
+        q = f._mm512_add_ps(q, X::load(s, c));
+    }
+    q
+}
+
+/// One row's statistics (`[mean, shift, rstd]`) given its sum's lanes, as `layer::stats` takes
+/// them: the mean rounded to float32, the sums of `x - mean` and of its square, then
+/// `layer::shift_and_rstd`.
+#[inline(always)]
+fn layer_stats1<X: Lane>(s: V4, row: &[X], sum: __m512, n: usize, eps: f32) -> [f32; 3] {
+    let f = s.avx512f;
+    let m = (tree1(s, sum) / n as f64) as f32;
+    let mv = f._mm512_set1_ps(m);
+    let (mut q1, mut q2) = (f._mm512_setzero_ps(), f._mm512_setzero_ps());
+    for c in row.as_chunks::<LANES>().0 {
+        let d = f._mm512_sub_ps(X::load(s, c), mv);
+        q1 = f._mm512_add_ps(q1, d);
+        q2 = f._mm512_add_ps(q2, f._mm512_mul_ps(d, d));
+    }
+    let (d, r) = layer::shift_and_rstd::<f32>(tree1(s, q1), tree1(s, q2), n, eps);
+    [m, d, r]
+}
+
+/// `layer::tree_total` of one row's 16 float32 lanes: widened (exactly), lane `l` added to
+/// lane `l + 8` in one vector addition, then the same pairs as the tree's further levels.
+#[inline(always)]
+fn tree1(s: V4, q: __m512) -> f64 {
+    let f = s.avx512f;
+    let halves: [__m256; 2] = pulp::cast(q);
+    let v: [f64; 8] =
+        pulp::cast(f._mm512_add_pd(f._mm512_cvtps_pd(halves[0]), f._mm512_cvtps_pd(halves[1])));
+    ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+}
+
+/// LayerNorm's `y` of one row given its `[mean, shift, rstd]` (`layer::forward_apply`'s
+/// operations lane by lane), 32 elements at a time in the lanes [`Lane::load32`] puts them in,
+/// the weight and bias loaded into the same lanes; with `next`, that row's sum's lanes summed
+/// in the same loop (returned; zeros without it).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn layer_row<X: Lane, W: Lane>(
+    s: V4,
+    x: &[X],
+    w: Option<&[W]>,
+    b: Option<&[W]>,
+    [m, d, r]: [f32; 3],
+    y: &mut [X],
+    next: Option<&[X]>,
+) -> __m512 {
+    let f = s.avx512f;
+    let st = [
+        f._mm512_set1_ps(m),
+        f._mm512_set1_ps(d),
+        f._mm512_set1_ps(r),
+    ];
+    let (x2, xr) = x.as_chunks::<{ 2 * LANES }>();
+    let (y2, yr) = y.as_chunks_mut::<{ 2 * LANES }>();
+    let (w2, wr) = match w {
+        Some(w) => {
+            let (w2, wr) = w.as_chunks::<{ 2 * LANES }>();
+            (Some(w2), Some(wr))
+        }
+        None => (None, None),
+    };
+    let (b2, br) = match b {
+        Some(b) => {
+            let (b2, br) = b.as_chunks::<{ 2 * LANES }>();
+            (Some(b2), Some(br))
+        }
+        None => (None, None),
+    };
+    let next = next.map(|v| v.as_chunks::<LANES>().0);
+    let mut q = f._mm512_setzero_ps();
+    for (p, (ys, xs)) in y2.iter_mut().zip(x2).enumerate() {
+        let [x0, x1] = X::load32(s, xs);
+        let (w0, w1) = match w2 {
+            Some(w2) => {
+                let [w0, w1] = X::weight32(s, &w2[p]);
+                (Some(w0), Some(w1))
+            }
+            None => (None, None),
+        };
+        let (b0, b1) = match b2 {
+            Some(b2) => {
+                let [b0, b1] = X::weight32(s, &b2[p]);
+                (Some(b0), Some(b1))
+            }
+            None => (None, None),
+        };
+        *ys = X::store32(s, [layer16(s, x0, st, w0, b0), layer16(s, x1, st, w1, b1)]);
+        if let Some(next) = next {
+            q = f._mm512_add_ps(q, X::load(s, &next[2 * p]));
+            q = f._mm512_add_ps(q, X::load(s, &next[2 * p + 1]));
+        }
+    }
+    // A last 16 (rows are whole vectors), in natural order.
+    let (xb, yb) = (xr.as_chunks::<LANES>().0, yr.as_chunks_mut::<LANES>().0);
+    if let (Some(xs), Some(ys)) = (xb.first(), yb.first_mut()) {
+        let wv = wr.map(|w| W::load(s, &w.as_chunks::<LANES>().0[0]));
+        let bv = br.map(|b| W::load(s, &b.as_chunks::<LANES>().0[0]));
+        *ys = X::store(s, layer16(s, X::load(s, xs), st, wv, bv));
+        if let Some(next) = next {
+            q = f._mm512_add_ps(q, X::load(s, &next[2 * x2.len()]));
+        }
+    }
+    q
+}
+
+/// `y = ((x - mean) - shift) * rstd * w + b` for 16 lanes (without a weight or a bias, without
+/// that factor or term), each operation rounded as `layer::forward_apply` rounds it.
+#[inline(always)]
+fn layer16(
+    s: V4,
+    x: __m512,
+    [m, d, r]: [__m512; 3],
+    w: Option<__m512>,
+    b: Option<__m512>,
+) -> __m512 {
+    let f = s.avx512f;
+    let xhat = f._mm512_mul_ps(f._mm512_sub_ps(f._mm512_sub_ps(x, m), d), r);
+    let scaled = match w {
+        Some(w) => f._mm512_mul_ps(xhat, w),
+        None => xhat,
+    };
+    match b {
+        Some(b) => f._mm512_add_ps(scaled, b),
+        None => scaled,
+    }
+}
+
+/// LayerNorm's statistics of 8 narrow rows of `n` (`[mean, shift, rstd]`, lane k: row k), as
+/// `layer::stats` takes them: the rows' sums ([`trees8`]), their means rounded to float32,
+/// the sums of `x - mean` and of its square, then `layer::shift_and_rstd` lane by lane (IEEE
+/// division and square root round the same in vectors as in scalars).
+#[inline(always)]
+fn layer_stats8<X: Lane>(s: V4, xb: &[X], n: usize, eps: f64) -> [[f32; 8]; 3] {
+    let f = s.avx512f;
+    let zero = f._mm512_setzero_ps();
+    let mut q = [zero; 8];
+    for (q, row) in q.iter_mut().zip(xb.chunks_exact(n)) {
+        for c in row.as_chunks::<LANES>().0 {
+            *q = f._mm512_add_ps(*q, X::load(s, c));
+        }
+    }
+    let count = f._mm512_set1_pd(n as f64);
+    let means: [f32; 8] = pulp::cast(f._mm512_cvtpd_ps(f._mm512_div_pd(trees8(s, q), count)));
+    let (mut q1, mut q2) = ([zero; 8], [zero; 8]);
+    for (k, row) in xb.chunks_exact(n).enumerate() {
+        let m = f._mm512_set1_ps(means[k]);
+        for c in row.as_chunks::<LANES>().0 {
+            let d = f._mm512_sub_ps(X::load(s, c), m);
+            q1[k] = f._mm512_add_ps(q1[k], d);
+            q2[k] = f._mm512_add_ps(q2[k], f._mm512_mul_ps(d, d));
+        }
+    }
+    let d = f._mm512_div_pd(trees8(s, q1), count);
+    let var = f._mm512_sub_pd(f._mm512_div_pd(trees8(s, q2), count), f._mm512_mul_pd(d, d));
+    // A negative variance (rounding) is 0; a NaN one stays NaN (the comparison is false).
+    let z = f._mm512_setzero_pd();
+    let var = f._mm512_mask_blend_pd(f._mm512_cmp_pd_mask::<_CMP_LT_OQ>(var, z), var, z);
+    let root = f._mm512_sqrt_pd(f._mm512_add_pd(var, f._mm512_set1_pd(eps)));
+    let r = f._mm512_div_pd(f._mm512_set1_pd(1.0), root);
+    [
+        means,
+        pulp::cast(f._mm512_cvtpd_ps(d)),
+        pulp::cast(f._mm512_cvtpd_ps(r)),
+    ]
+}
+
+/// The totals of 8 rows' sums, each kept as 16 float32 lanes of one block (`q[k]`: row k),
+/// in one vector (lane k: row k), with the bits of `layer::tree_total` row by row: the lanes
+/// widened to float64 (exactly), transposed so that a vector holds one lane of every row, then
+/// lane `l` added to lane `l + half`, halving, one vector addition per pair.
+#[inline(always)]
+fn trees8(s: V4, q: [__m512; 8]) -> __m512d {
+    let f = s.avx512f;
+    let z = f._mm512_setzero_pd();
+    let (mut low, mut high) = ([z; 8], [z; 8]);
+    for k in 0..8 {
+        let halves: [__m256; 2] = pulp::cast(q[k]);
+        (low[k], high[k]) = (f._mm512_cvtps_pd(halves[0]), f._mm512_cvtps_pd(halves[1]));
+    }
+    // low[j]: lane j of every row; high[j]: lane j + 8.
+    let (low, high) = (transpose8(s, low), transpose8(s, high));
+    let mut v = [z; 8];
+    for j in 0..8 {
+        v[j] = f._mm512_add_pd(low[j], high[j]);
+    }
+    let mut half = 4;
+    while half > 0 {
+        for j in 0..half {
+            v[j] = f._mm512_add_pd(v[j], v[j + half]);
+        }
+        half /= 2;
+    }
+    v[0]
 }
 
 /// The rows of `x` (a whole number of groups of `G`) as [`rows`] takes them: each group scaled

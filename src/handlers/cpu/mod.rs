@@ -537,6 +537,12 @@ pub fn layer_forward_chunk<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuEle
 ) {
     match (split, mean) {
         (None, Some(mean)) => {
+            #[cfg(target_arch = "x86_64")]
+            if let Kernel::Avx512(v4) = kernel {
+                if avx512::layer_forward_rows::<T, W, A>(v4, x, n, w_of, b_of, eps, y, mean, rstd) {
+                    return;
+                }
+            }
             if !T::layer_forward_widened::<W, A>(kernel, x, n, w_of, b_of, eps, y, mean, rstd) {
                 layer::forward_rows::<T, W, A>(x, n, w_of, b_of, eps, None, y, Some(mean), rstd)
             }

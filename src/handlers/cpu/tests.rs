@@ -702,6 +702,10 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
         // own weight, a batch and a few rows after it, the longest narrow rows.
         (64, 24, 24),
         (64, 11, 1),
+        // Whole batches of 8 narrow rows (the AVX-512 statistics), a rest after them.
+        (16, 9, 3),
+        (128, 16, 2),
+        (240, 8, 1),
         (256, 17, 2),
         (33, 12, 2),
         // The portable narrow batches take any row up to 256 (tails too): one batch and an odd
@@ -1393,7 +1397,8 @@ fn split_attributes_are_checked() {
 #[test]
 fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
     // `layer::forward_rows` takes narrow rows (up to 256) in batches whose statistics run side
-    // by side, the rest row by row, and float16 rows (up to 2048) go through float32's loops
+    // by side (on AVX-512, rows of whole vectors in `avx512::layer_forward_narrow`), the rest
+    // row by row, and float16 rows (up to 2048) go through float32's loops
     // where F16C converts them (`layer_forward_chunk`): every path gives
     // `layer::forward_row`'s bits for y, the mean and rstd. Cases: tails and rests after whole
     // batches, a weight row per few rows, rows just past the narrow ones, rows of large mean
@@ -1408,6 +1413,10 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         }
         for v in xs.iter_mut().skip(3 * n).take(n) {
             *v += 1e4;
+        }
+        // A row of equal elements: a variance of 0, rstd 1 / sqrt(eps).
+        for v in xs.iter_mut().skip(5 * n).take(n) {
+            *v = 0.7;
         }
         let x: Vec<T> = xs.into_iter().map(T::from_f32).collect();
         let w: Vec<A> = values(n * groups, 32)
@@ -1492,6 +1501,76 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         check::<bf16, f32>(n, rows, groups);
         check::<f16, f32>(n, rows, groups);
         check::<f64, f64>(n, rows, groups);
+    }
+}
+
+#[test]
+fn layer_norm_weights_and_biases_of_every_dtype_match_row_by_row_on_every_instruction_set() {
+    // The weight and the bias in each element type, each present or not (`layer::forward_apply`'s
+    // four cases, and on AVX-512 `avx512::layer_row`'s, which loads them 32 at a time in x's
+    // lanes and the last 16 apart), at rows of whole vectors: narrow ones in batches and a rest,
+    // odd numbers of vectors, one block's longest.
+    fn check<T: CpuElement, W: Element + CpuElement>(n: usize, rows: usize) {
+        let x: Vec<T> = values(n * rows, 41)
+            .into_iter()
+            .map(|v| T::from_f32(3.0 * v - 1.0))
+            .collect();
+        let w: Vec<W> = values(n, 42)
+            .into_iter()
+            .map(|v| W::from_f32(v + 1.5))
+            .collect();
+        let b: Vec<W> = values(n, 43).into_iter().map(W::from_f32).collect();
+        let eps = 1e-5f32;
+        for (with_w, with_b) in [(true, true), (true, false), (false, true), (false, false)] {
+            let w_of = |_: usize| with_w.then_some(&w[..]);
+            let b_of = |_: usize| with_b.then_some(&b[..]);
+            let mut want = vec![T::default(); n * rows];
+            let mut want_stats = Vec::new();
+            Kernel::Scalar.run(|| {
+                for (i, y) in want.chunks_exact_mut(n).enumerate() {
+                    let s =
+                        layer::forward_row::<T, W, f32>(&x[i * n..][..n], w_of(i), b_of(i), eps, y);
+                    want_stats.push((s.mean.to_bits(), s.rstd.to_bits()));
+                }
+            });
+            for kernel in Kernel::available() {
+                let (mut y, mut mean, mut rstd) = (
+                    vec![T::default(); n * rows],
+                    vec![0f32; rows],
+                    vec![0f32; rows],
+                );
+                kernel.run(|| {
+                    layer_forward_chunk::<T, W, f32>(
+                        kernel,
+                        &x,
+                        n,
+                        w_of,
+                        b_of,
+                        eps,
+                        None,
+                        &mut y,
+                        Some(&mut mean),
+                        &mut rstd,
+                    )
+                });
+                let what = format!("{kernel:?} n={n} rows={rows} weight={with_w} bias={with_b}");
+                assert_eq!(nan_bits(&y), nan_bits(&want), "y {what}");
+                let stats: Vec<_> = mean
+                    .iter()
+                    .zip(&rstd)
+                    .map(|(m, r)| (m.to_bits(), r.to_bits()))
+                    .collect();
+                assert_eq!(stats, want_stats, "statistics {what}");
+            }
+        }
+    }
+    for (n, rows) in [(16, 11), (48, 9), (128, 3), (112, 10), (1040, 3), (2048, 2)] {
+        check::<f32, f32>(n, rows);
+        check::<f32, bf16>(n, rows);
+        check::<bf16, f32>(n, rows);
+        check::<bf16, bf16>(n, rows);
+        check::<f16, f16>(n, rows);
+        check::<f16, f32>(n, rows);
     }
 }
 
