@@ -17,7 +17,7 @@
 //! 4. narrow rows (whole vectors, up to 256 elements), in the forward and the backward's first
 //!    pass: batches of 8 rows whose sums' totals run side by side, one row per float64 lane
 //!    (see `narrow`); and LayerNorm's statistics of such rows the same way;
-//! 5. LayerNorm's forward over rows of one block, each row written while the next is summed
+//! 5. LayerNorm's forward, each row of one block written while the next is summed
 //!    (`layer_forward_rows`).
 //!
 //! Everything here is `#[inline(always)]` and runs inside the caller's `Kernel::run`, whose
@@ -335,20 +335,26 @@ fn with_weight<'w, X: Lane, W: Element + 'w, A: Accum>(
     // W is one type, so every weight row has the kind of an empty one.
     match W::typed(&[]) {
         Typed::F32(_) => {
-            let w = |i| w_of(i).and_then(|w| f32::of(W::typed(w)));
-            rows(s, x, n, w, eps, y, rstd);
+            rows(s, x, n, typed_rows::<W, f32>(&w_of), eps, y, rstd);
         }
         Typed::Bf16(_) => {
-            let w = |i| w_of(i).and_then(|w| bf16::of(W::typed(w)));
-            rows(s, x, n, w, eps, y, rstd);
+            rows(s, x, n, typed_rows::<W, bf16>(&w_of), eps, y, rstd);
         }
         Typed::F16(_) => {
-            let w = |i| w_of(i).and_then(|w| f16::of(W::typed(w)));
-            rows(s, x, n, w, eps, y, rstd);
+            rows(s, x, n, typed_rows::<W, f16>(&w_of), eps, y, rstd);
         }
         Typed::Other => return false,
     }
     true
+}
+
+/// `w_of`'s rows as the lane type `L`, for a weight type `W` known to be `L`.
+#[inline(always)]
+fn typed_rows<'w, W: Element + 'w, L: Lane + 'w>(
+    w_of: &impl Fn(usize) -> Option<&'w [W]>,
+) -> impl Fn(usize) -> Option<&'w [L]> + '_ {
+    #[inline(always)]
+    move |i| w_of(i).and_then(|w| L::of(W::typed(w)))
 }
 
 /// Bytes of x that the forward's rows in flight may span: a group being scaled and the next
@@ -559,13 +565,14 @@ fn narrow_forward<'w, X: Lane, W: Lane + 'w, A: Accum>(
 
 /// LayerNorm's forward over `rstd.len()` consecutive rows of `n`, as `layer::forward_rows`
 /// computes it, when x is float32, bfloat16 or float16, the weight and bias one of those, the
-/// accumulator float32, and a row one block of its sums (`math::SUM_BLOCK`) of whole vectors
-/// (the rows of 16 to 2048 that models use). Returns false, having written nothing, otherwise.
+/// accumulator float32, and a row whole vectors (the rows models use). Returns false, having
+/// written nothing, otherwise.
 ///
 /// Narrow rows (see [`narrow`]) in batches of [`NARROW_BATCH`] whose statistics run side by side
-/// ([`layer_stats8`]); the others (and a batch's rest) one after the other, each row's `y`
-/// written in the loop that sums the next row ([`layer_row`]), as the RMS norm's groups overlap
-/// the next rows' reads with this group's stores.
+/// ([`layer_stats8`]); the others of one block (`math::SUM_BLOCK`; and a batch's rest) one after
+/// the other, each row's `y` written in the loop that sums the next row ([`layer_row`]), as the
+/// RMS norm's groups overlap the next rows' reads with this group's stores; longer rows one
+/// after the other, their sums blocked ([`layer_blocked_stats`]).
 ///
 /// Why: in the portable loops each row's three sums end in a pairwise tree of 16 float64 lanes
 /// that LLVM compiled two lanes at a time (at rows of 128, bfloat16, 16384 rows through XLA:
@@ -586,11 +593,7 @@ pub fn layer_forward_rows<'w, T: Element, W: Element + 'w, A: Accum>(
     mean: &mut [A],
     rstd: &mut [A],
 ) -> bool {
-    if TypeId::of::<A>() != TypeId::of::<f32>()
-        || n == 0
-        || !n.is_multiple_of(LANES)
-        || n / LANES > BLOCK_CHUNKS
-    {
+    if TypeId::of::<A>() != TypeId::of::<f32>() || n == 0 || !n.is_multiple_of(LANES) {
         return false;
     }
     // eps is float32 here, so this conversion is exact.
@@ -619,18 +622,15 @@ fn layer_weights<'w, X: Lane, W: Element + 'w, A: Accum>(
 ) -> bool {
     match W::typed(&[]) {
         Typed::F32(_) => {
-            let w = |i| w_of(i).and_then(|w| f32::of(W::typed(w)));
-            let b = |i| b_of(i).and_then(|b| f32::of(W::typed(b)));
+            let (w, b) = (typed_rows::<W, f32>(&w_of), typed_rows::<W, f32>(&b_of));
             layer_rows(s, x, n, w, b, eps, y, stats);
         }
         Typed::Bf16(_) => {
-            let w = |i| w_of(i).and_then(|w| bf16::of(W::typed(w)));
-            let b = |i| b_of(i).and_then(|b| bf16::of(W::typed(b)));
+            let (w, b) = (typed_rows::<W, bf16>(&w_of), typed_rows::<W, bf16>(&b_of));
             layer_rows(s, x, n, w, b, eps, y, stats);
         }
         Typed::F16(_) => {
-            let w = |i| w_of(i).and_then(|w| f16::of(W::typed(w)));
-            let b = |i| b_of(i).and_then(|b| f16::of(W::typed(b)));
+            let (w, b) = (typed_rows::<W, f16>(&w_of), typed_rows::<W, f16>(&b_of));
             layer_rows(s, x, n, w, b, eps, y, stats);
         }
         Typed::Other => return false,
@@ -677,6 +677,16 @@ fn layer_rows<'w, X: Lane, W: Lane + 'w, A: Accum>(
     if first == rows {
         return;
     }
+    if n / LANES > BLOCK_CHUNKS {
+        // Rows of many blocks: long enough that the next row's first read need not overlap
+        // this one's stores.
+        for (i, (xr, yr)) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)).enumerate() {
+            let stats = layer_blocked_stats(s, xr, eps);
+            layer_row(s, xr, w_of(i), b_of(i), stats, yr, None);
+            record(i, stats);
+        }
+        return;
+    }
     let mut sum = row_lanes(s, &x[first * n..][..n]);
     for i in first..rows {
         let xr = &x[i * n..][..n];
@@ -713,6 +723,45 @@ fn layer_stats1<X: Lane>(s: V4, row: &[X], sum: __m512, n: usize, eps: f32) -> [
         q2 = f._mm512_add_ps(q2, f._mm512_mul_ps(d, d));
     }
     let (d, r) = layer::shift_and_rstd::<f32>(tree1(s, q1), tree1(s, q2), n, eps);
+    [m, d, r]
+}
+
+/// The statistics of a row of more than one block (as [`layer_stats1`] gives a row of one), as
+/// `layer::sums` takes its sums: each block's 16 float32 lanes added into compensated float64
+/// lanes ([`VecSum`]), then the row's tail, empty here, as a block of zeros (`RowSum` adds it,
+/// so the same operations), totalled by `RowSum::totals`.
+#[inline(always)]
+fn layer_blocked_stats<X: Lane>(s: V4, row: &[X], eps: f32) -> [f32; 3] {
+    let f = s.avx512f;
+    let zero = f._mm512_setzero_ps();
+    let (chunks, n) = (row.as_chunks::<LANES>().0, row.len());
+    let mut sum = VecSum::new(s);
+    for block in chunks.chunks(BLOCK_CHUNKS) {
+        let mut q = zero;
+        for c in block {
+            q = f._mm512_add_ps(q, X::load(s, c));
+        }
+        sum.add(s, q);
+    }
+    sum.add(s, zero);
+    let [total] = VecSum::totals([sum]);
+    let m = (total / n as f64) as f32;
+    let mv = f._mm512_set1_ps(m);
+    let (mut s1, mut s2) = (VecSum::new(s), VecSum::new(s));
+    for block in chunks.chunks(BLOCK_CHUNKS) {
+        let (mut q1, mut q2) = (zero, zero);
+        for c in block {
+            let d = f._mm512_sub_ps(X::load(s, c), mv);
+            q1 = f._mm512_add_ps(q1, d);
+            q2 = f._mm512_add_ps(q2, f._mm512_mul_ps(d, d));
+        }
+        s1.add(s, q1);
+        s2.add(s, q2);
+    }
+    s1.add(s, zero);
+    s2.add(s, zero);
+    let [t1, t2] = VecSum::totals([s1, s2]);
+    let (d, r) = layer::shift_and_rstd::<f32>(t1, t2, n, eps);
     [m, d, r]
 }
 

@@ -1394,6 +1394,38 @@ fn split_attributes_are_checked() {
     assert!(e.contains("given the forward's mean and rstd"), "{e}");
 }
 
+/// `layer_forward_chunk` over all of `x` on `kernel`: y, the mean and rstd.
+fn layer_forward_on<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuElement>(
+    kernel: Kernel,
+    x: &[T],
+    n: usize,
+    w_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    b_of: impl Fn(usize) -> Option<&'w [W]> + Copy,
+    eps: A,
+) -> (Vec<T>, Vec<A>, Vec<A>) {
+    let rows = x.len() / n;
+    let (mut y, mut mean, mut rstd) = (
+        vec![T::default(); x.len()],
+        vec![A::ZERO; rows],
+        vec![A::ZERO; rows],
+    );
+    kernel.run(|| {
+        layer_forward_chunk::<T, W, A>(
+            kernel,
+            x,
+            n,
+            w_of,
+            b_of,
+            eps,
+            None,
+            &mut y,
+            Some(&mut mean),
+            &mut rstd,
+        )
+    });
+    (y, mean, rstd)
+}
+
 #[test]
 fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
     // `layer::forward_rows` takes narrow rows (up to 256) in batches whose statistics run side
@@ -1452,25 +1484,7 @@ fn layer_norm_rows_match_row_by_row_on_every_instruction_set() {
         let want_mean: Vec<A> = want.iter().map(|s| s.mean).collect();
         let want_rstd: Vec<A> = want.iter().map(|s| s.rstd).collect();
         for kernel in Kernel::available() {
-            let (mut y, mut mean, mut rstd) = (
-                vec![T::default(); n * rows],
-                vec![A::ZERO; rows],
-                vec![A::ZERO; rows],
-            );
-            kernel.run(|| {
-                layer_forward_chunk::<T, A, A>(
-                    kernel,
-                    &x,
-                    n,
-                    w_of,
-                    b_of,
-                    eps,
-                    None,
-                    &mut y,
-                    Some(&mut mean),
-                    &mut rstd,
-                )
-            });
+            let (y, mean, rstd) = layer_forward_on::<T, A, A>(kernel, &x, n, w_of, b_of, eps);
             let what = format!("{kernel:?} n={n} rows={rows} groups={groups}");
             assert_eq!(nan_bits(&y), nan_bits(&want_y), "y {what}");
             assert_eq!(stat_bits(&mean), stat_bits(&want_mean), "mean {what}");
@@ -1509,7 +1523,7 @@ fn layer_norm_weights_and_biases_of_every_dtype_match_row_by_row_on_every_instru
     // The weight and the bias in each element type, each present or not (`layer::forward_apply`'s
     // four cases, and on AVX-512 `avx512::layer_row`'s, which loads them 32 at a time in x's
     // lanes and the last 16 apart), at rows of whole vectors: narrow ones in batches and a rest,
-    // odd numbers of vectors, one block's longest.
+    // odd numbers of vectors, one block's longest, rows of more blocks.
     fn check<T: CpuElement, W: Element + CpuElement>(n: usize, rows: usize) {
         let x: Vec<T> = values(n * rows, 41)
             .into_iter()
@@ -1534,25 +1548,7 @@ fn layer_norm_weights_and_biases_of_every_dtype_match_row_by_row_on_every_instru
                 }
             });
             for kernel in Kernel::available() {
-                let (mut y, mut mean, mut rstd) = (
-                    vec![T::default(); n * rows],
-                    vec![0f32; rows],
-                    vec![0f32; rows],
-                );
-                kernel.run(|| {
-                    layer_forward_chunk::<T, W, f32>(
-                        kernel,
-                        &x,
-                        n,
-                        w_of,
-                        b_of,
-                        eps,
-                        None,
-                        &mut y,
-                        Some(&mut mean),
-                        &mut rstd,
-                    )
-                });
+                let (y, mean, rstd) = layer_forward_on::<T, W, f32>(kernel, &x, n, w_of, b_of, eps);
                 let what = format!("{kernel:?} n={n} rows={rows} weight={with_w} bias={with_b}");
                 assert_eq!(nan_bits(&y), nan_bits(&want), "y {what}");
                 let stats: Vec<_> = mean
@@ -1564,7 +1560,16 @@ fn layer_norm_weights_and_biases_of_every_dtype_match_row_by_row_on_every_instru
             }
         }
     }
-    for (n, rows) in [(16, 11), (48, 9), (128, 3), (112, 10), (1040, 3), (2048, 2)] {
+    for (n, rows) in [
+        (16, 11),
+        (48, 9),
+        (128, 3),
+        (112, 10),
+        (1040, 3),
+        (2048, 2),
+        (2064, 2),
+        (4096, 2),
+    ] {
         check::<f32, f32>(n, rows);
         check::<f32, bf16>(n, rows);
         check::<bf16, f32>(n, rows);
