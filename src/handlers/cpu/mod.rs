@@ -518,9 +518,10 @@ pub fn forward_chunk<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuElement>(
     }
 }
 
-/// LayerNorm's forward over one chunk's consecutive rows of `n` (`layer::forward_rows`), float16
-/// through float32's loops where F16C converts it (bit-identical: `widen`). Runs inside
-/// `kernel.run`.
+/// LayerNorm's forward over one chunk's consecutive rows of `n` (`layer::forward_rows`): on
+/// AVX-512 rows of whole vectors in explicit loops (`avx512::layer_forward_rows`), elsewhere
+/// float16 through float32's loops where F16C converts it (`widen`); all bit-identical. Runs
+/// inside `kernel.run`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn layer_forward_chunk<'w, T: CpuElement, W: Element + 'w, A: Accum + CpuElement>(
