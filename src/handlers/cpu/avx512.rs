@@ -1365,6 +1365,11 @@ const BACKWARD_GROUP_ELEMENTS: usize = 32 * 1024;
 /// Most rows per group (the group's coefficients live on the stack).
 const BACKWARD_GROUP_ROWS: usize = 64;
 
+/// A backward's dh (the fused residual add's, where the call has it), and whether a pair of
+/// rows' weight-gradient terms are summed before they join the accumulator (see
+/// [`backward_rows`]).
+pub type Adding<'a, X> = (Option<&'a [X]>, bool);
+
 /// The backward pass with a weight and its gradient over consecutive rows of `n` (as many as
 /// `dx` holds), their rstd given or taken from the first pass's sums of squares,
 /// as `math::backward_rows_paired` computes it (the same bits: dx, and `acc` gaining the
@@ -1372,13 +1377,17 @@ const BACKWARD_GROUP_ROWS: usize = 64;
 /// the weight one of those and the accumulator float32. Returns false, having written
 /// nothing, for any other types. Rows go in groups: the first pass's sums of two rows at a time,
 /// then the second pass in column tiles over the group's rows, so a tile of the weight and of
-/// the float64 gradient row stays in L1 while every row of the group adds to it.
+/// the float64 gradient row stays in L1 while every row of the group adds to it. With `dh` (the
+/// fused residual add's, as many as `dx`), dx is the norm's gradient plus dh, added in float32
+/// before dx's one rounding: `math::backward_row_adding`'s bits; with `paired` false, each row's
+/// gradient terms join `acc` alone, in row order (`math::backward_row_adding`'s order too).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_rows<T: Element, W: Element, A: Accum>(
     s: V4,
     x: &[T],
     dy: &[T],
+    (dh, paired): Adding<'_, T>,
     n: usize,
     w: &[W],
     rstd: Rstd<'_, A>,
@@ -1391,36 +1400,39 @@ pub fn backward_rows<T: Element, W: Element, A: Accum>(
     let Some(acc) = A::Wide::typed_mut(acc) else {
         return false;
     };
+    let dh = (dh.map(T::typed), paired);
     match (T::typed(x), T::typed(dy), T::typed_mut(dx)) {
         (Typed::F32(x), Typed::F32(dy), TypedMut::F32(dx)) => {
-            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+            backward_with_weight(s, (x, dy, dh), n, w, rstd, dx, acc)
         }
         (Typed::Bf16(x), Typed::Bf16(dy), TypedMut::Bf16(dx)) => {
-            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+            backward_with_weight(s, (x, dy, dh), n, w, rstd, dx, acc)
         }
         (Typed::F16(x), Typed::F16(dy), TypedMut::F16(dx)) => {
-            backward_with_weight(s, x, dy, n, w, rstd, dx, acc)
+            backward_with_weight(s, (x, dy, dh), n, w, rstd, dx, acc)
         }
         _ => false,
     }
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn backward_with_weight<X: Lane, W: Element, A: Accum>(
     s: V4,
-    x: &[X],
-    dy: &[X],
+    (x, dy, (dh, paired)): (&[X], &[X], (Option<Typed<'_>>, bool)),
     n: usize,
     w: &[W],
     rstd: Rstd<'_, A>,
     dx: &mut [X],
     acc: &mut [f64],
 ) -> bool {
+    let dh = match dh.map(X::of) {
+        Some(None) => return false,
+        dh => (dh.flatten(), paired),
+    };
     match W::typed(w) {
-        Typed::F32(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
-        Typed::Bf16(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
-        Typed::F16(w) => backward_groups(s, x, dy, n, w, rstd, dx, acc),
+        Typed::F32(w) => backward_groups(s, (x, dy, dh), n, w, rstd, dx, acc),
+        Typed::Bf16(w) => backward_groups(s, (x, dy, dh), n, w, rstd, dx, acc),
+        Typed::F16(w) => backward_groups(s, (x, dy, dh), n, w, rstd, dx, acc),
         Typed::Other => return false,
     }
     true
@@ -1432,8 +1444,7 @@ fn backward_with_weight<X: Lane, W: Element, A: Accum>(
 #[allow(clippy::too_many_arguments)]
 fn backward_groups<X: Lane, W: Lane, A: Accum>(
     s: V4,
-    x: &[X],
-    dy: &[X],
+    (x, dy, (dh, paired)): (&[X], &[X], Adding<'_, X>),
     n: usize,
     w: &[W],
     rstd: Rstd<'_, A>,
@@ -1488,6 +1499,7 @@ fn backward_groups<X: Lane, W: Lane, A: Accum>(
         backward_tiles(
             s,
             (&x[span.clone()], &dy[span.clone()]),
+            (dh.map(|dh| &dh[span.clone()]), paired),
             n,
             w,
             (&r[..g1 - g0], &c[..g1 - g0]),
@@ -1607,13 +1619,16 @@ fn sums_step<X: Lane>(
 }
 
 /// The second pass of a group's rows, [`TILE`] columns of every row at a time:
-/// `dx = r * (dy * w - xhat * c)` and `acc += dy * xhat`, rows paired from the group's first
-/// (the pair's float32 sum widened once, as `math::backward_rows_paired` adds it; a last odd
-/// row alone).
+/// `dx = r * (dy * w - xhat * c)` (plus dh, where given, before the rounding) and
+/// `acc += dy * xhat`, rows paired from the group's first (with `paired`, the pair's float32
+/// sum widened once, as `math::backward_rows_paired` adds it, else each row's term alone; a
+/// last odd row alone).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn backward_tiles<X: Lane, W: Lane>(
     s: V4,
     (x, dy): (&[X], &[X]),
+    (dh, paired): Adding<'_, X>,
     n: usize,
     w: &[W],
     (rstd, c): (&[f32], &[f32]),
@@ -1628,6 +1643,8 @@ fn backward_tiles<X: Lane, W: Lane>(
         let (wb, wt) = w[cols.clone()].as_chunks::<LANES>();
         let (ab, at) = acc[cols.clone()].as_chunks_mut::<LANES>();
         let tile = |i: usize| i * n + cols.start..i * n + cols.end;
+        // Row i's dh in this tile: whole vectors and the tail (empty without dh).
+        let dh_of = |i: usize| dh.map_or((&[][..], &[][..]), |dh| dh[tile(i)].as_chunks::<LANES>());
         let mut i = 0;
         while i + 1 < rows {
             let (r0, r1, c0, c1) = (r_of(i), r_of(i + 1), c[i], c[i + 1]);
@@ -1637,31 +1654,42 @@ fn backward_tiles<X: Lane, W: Lane>(
             let (x1b, x1t) = x[tile(i + 1)].as_chunks::<LANES>();
             let (d0b, d0t) = dy[tile(i)].as_chunks::<LANES>();
             let (d1b, d1t) = dy[tile(i + 1)].as_chunks::<LANES>();
+            let ((e0b, e0t), (e1b, e1t)) = (dh_of(i), dh_of(i + 1));
             let (o0, o1) = dx[i * n..(i + 2) * n].split_at_mut(n);
             let (o0b, o0t) = o0[cols.clone()].as_chunks_mut::<LANES>();
             let (o1b, o1t) = o1[cols.clone()].as_chunks_mut::<LANES>();
-            for ((((ws, accs), (xs0, xs1)), (ds0, ds1)), (os0, os1)) in wb
+            for (k, ((((ws, accs), (xs0, xs1)), (ds0, ds1)), (os0, os1))) in wb
                 .iter()
                 .zip(ab.iter_mut())
                 .zip(x0b.iter().zip(x1b))
                 .zip(d0b.iter().zip(d1b))
                 .zip(o0b.iter_mut().zip(o1b.iter_mut()))
+                .enumerate()
             {
                 let wv = W::load(s, ws);
                 let (h0, d0) = (f._mm512_mul_ps(X::load(s, xs0), rv0), X::load(s, ds0));
                 let (h1, d1) = (f._mm512_mul_ps(X::load(s, xs1), rv1), X::load(s, ds1));
-                *os0 = dx_step(s, h0, d0, wv, rv0, cv0);
-                *os1 = dx_step(s, h1, d1, wv, rv1, cv1);
-                let p = f._mm512_add_ps(f._mm512_mul_ps(d0, h0), f._mm512_mul_ps(d1, h1));
-                *accs = widen_add(s, *accs, p);
+                *os0 = plus_dh(s, dx_value(s, h0, d0, wv, rv0, cv0), e0b.get(k));
+                *os1 = plus_dh(s, dx_value(s, h1, d1, wv, rv1, cv1), e1b.get(k));
+                let (p0, p1) = (f._mm512_mul_ps(d0, h0), f._mm512_mul_ps(d1, h1));
+                *accs = if paired {
+                    widen_add(s, *accs, f._mm512_add_ps(p0, p1))
+                } else {
+                    widen_add(s, widen_add(s, *accs, p0), p1)
+                };
             }
             for (l, a) in at.iter_mut().enumerate() {
                 let wl = wt[l].to_f32();
                 let (h0, d0) = (x0t[l].to_f32() * r0, d0t[l].to_f32());
                 let (h1, d1) = (x1t[l].to_f32() * r1, d1t[l].to_f32());
-                o0t[l] = X::from_f32(r0 * (d0 * wl - h0 * c0));
-                o1t[l] = X::from_f32(r1 * (d1 * wl - h1 * c1));
-                *a += (d0 * h0 + d1 * h1) as f64;
+                o0t[l] = tail_plus_dh(r0 * (d0 * wl - h0 * c0), e0t.get(l));
+                o1t[l] = tail_plus_dh(r1 * (d1 * wl - h1 * c1), e1t.get(l));
+                if paired {
+                    *a += (d0 * h0 + d1 * h1) as f64;
+                } else {
+                    *a += (d0 * h0) as f64;
+                    *a += (d1 * h1) as f64;
+                }
             }
             i += 2;
         }
@@ -1670,35 +1698,63 @@ fn backward_tiles<X: Lane, W: Lane>(
             let (rv, cv) = (f._mm512_set1_ps(r), f._mm512_set1_ps(c));
             let (xb, xt) = x[tile(i)].as_chunks::<LANES>();
             let (db, dt) = dy[tile(i)].as_chunks::<LANES>();
+            let (eb, et) = dh_of(i);
             let (ob, ot) = dx[tile(i)].as_chunks_mut::<LANES>();
-            for ((((os, xs), ds), ws), accs) in
-                ob.iter_mut().zip(xb).zip(db).zip(wb).zip(ab.iter_mut())
+            for (k, ((((os, xs), ds), ws), accs)) in ob
+                .iter_mut()
+                .zip(xb)
+                .zip(db)
+                .zip(wb)
+                .zip(ab.iter_mut())
+                .enumerate()
             {
                 let (h, d) = (f._mm512_mul_ps(X::load(s, xs), rv), X::load(s, ds));
-                *os = dx_step(s, h, d, W::load(s, ws), rv, cv);
+                *os = plus_dh(s, dx_value(s, h, d, W::load(s, ws), rv, cv), eb.get(k));
                 *accs = widen_add(s, *accs, f._mm512_mul_ps(d, h));
             }
-            for ((((o, &xi), &di), &wi), a) in
-                ot.iter_mut().zip(xt).zip(dt).zip(wt).zip(at.iter_mut())
+            for (l, ((((o, &xi), &di), &wi), a)) in ot
+                .iter_mut()
+                .zip(xt)
+                .zip(dt)
+                .zip(wt)
+                .zip(at.iter_mut())
+                .enumerate()
             {
                 let h = xi.to_f32() * r;
                 let d = di.to_f32();
-                *o = X::from_f32(r * (d * wi.to_f32() - h * c));
+                *o = tail_plus_dh(r * (d * wi.to_f32() - h * c), et.get(l));
                 *a += (d * h) as f64;
             }
         }
     }
 }
 
-/// `r * (dy * w - xhat * c)`, stored as `X`.
+/// `r * (dy * w - xhat * c)`, in float32.
 #[inline(always)]
-fn dx_step<X: Lane>(s: V4, h: __m512, d: __m512, w: __m512, r: __m512, c: __m512) -> [X; LANES] {
+fn dx_value(s: V4, h: __m512, d: __m512, w: __m512, r: __m512, c: __m512) -> __m512 {
     let f = s.avx512f;
     let g = f._mm512_mul_ps(d, w);
-    X::store(
-        s,
-        f._mm512_mul_ps(r, f._mm512_sub_ps(g, f._mm512_mul_ps(h, c))),
-    )
+    f._mm512_mul_ps(r, f._mm512_sub_ps(g, f._mm512_mul_ps(h, c)))
+}
+
+/// `v` plus dh where the call has it (none: `v` as it is, a negative zero kept), stored as `X`:
+/// one rounding either way.
+#[inline(always)]
+fn plus_dh<X: Lane>(s: V4, v: __m512, dh: Option<&[X; LANES]>) -> [X; LANES] {
+    let v = match dh {
+        Some(dh) => s.avx512f._mm512_add_ps(v, X::load(s, dh)),
+        None => v,
+    };
+    X::store(s, v)
+}
+
+/// [`plus_dh`] of one element (a tile's tail).
+#[inline(always)]
+fn tail_plus_dh<X: Lane>(v: f32, dh: Option<&X>) -> X {
+    X::from_f32(match dh {
+        Some(dh) => v + dh.to_f32(),
+        None => v,
+    })
 }
 
 /// `acc + p` for 16 float64 accumulators and 16 float32 terms, each term widened exactly.

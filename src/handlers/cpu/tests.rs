@@ -730,7 +730,8 @@ fn chunk_forward_matches_row_by_row_on_every_instruction_set() {
 fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
     // `BackwardInputs::rows_from` takes the explicit AVX-512 loops where they apply (two rows'
     // dot products at once, then column tiles over groups of rows), the two-rows loop or row
-    // by row elsewhere: every path gives row by row's bits for dx and the weight gradient.
+    // by row elsewhere: every path gives row by row's bits for dx and the weight gradient; with
+    // dh too (the explicit loops adding it, half precision widened elsewhere).
     fn check<T: CpuElement, W: Element>(n: usize, rows: usize) {
         let mut xs = values(n * rows, 21);
         for (at, v) in [(n + 2, f32::NAN), (2 * n + 3, f32::INFINITY), (3, 3e38)] {
@@ -766,31 +767,77 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
                 Some(&mut want_acc),
             )
         });
+        let check_kernels_adding = |rstd: math::Rstd<'_, f32>,
+                                    dh: Option<&[T]>,
+                                    want_dx: &[T],
+                                    want_acc: &[f64],
+                                    form: &str| {
+            for kernel in Kernel::available() {
+                let inputs = BackwardInputs {
+                    x: &x,
+                    dy: &dy,
+                    rstd,
+                    w: Some(&w[..]),
+                    dh,
+                    n,
+                    rows_per_group: rows,
+                    kernel,
+                    moments: None,
+                };
+                let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
+                inputs.run_rows(kernel, 0, &mut dx, Some(&mut acc));
+                let what = format!(
+                    "{kernel:?} n={n} rows={rows} rstd {form} dh {}",
+                    dh.is_some()
+                );
+                let first_diff = nan_bits(&dx)
+                    .iter()
+                    .zip(nan_bits(want_dx))
+                    .position(|(a, b)| *a != b);
+                assert_eq!(first_diff, None, "dx {what}");
+                assert_eq!(nan_bits(&acc), nan_bits(want_acc), "dweight {what}");
+            }
+        };
         let check_kernels =
             |rstd: math::Rstd<'_, f32>, want_dx: &[T], want_acc: &[f64], form: &str| {
-                for kernel in Kernel::available() {
-                    let inputs = BackwardInputs {
-                        x: &x,
-                        dy: &dy,
-                        rstd,
-                        w: Some(&w[..]),
-                        dh: None,
-                        n,
-                        rows_per_group: rows,
-                        kernel,
-                        moments: None,
-                    };
-                    let (mut dx, mut acc) = (vec![T::default(); n * rows], start_acc.clone());
-                    inputs.run_rows(kernel, 0, &mut dx, Some(&mut acc));
-                    let what = format!("{kernel:?} n={n} rows={rows} rstd {form}");
-                    let first_diff = nan_bits(&dx)
-                        .iter()
-                        .zip(nan_bits(want_dx))
-                        .position(|(a, b)| *a != b);
-                    assert_eq!(first_diff, None, "dx {what}");
-                    assert_eq!(nan_bits(&acc), nan_bits(want_acc), "dweight {what}");
-                }
+                check_kernels_adding(rstd, None, want_dx, want_acc, form)
             };
+        // With dh (the fused residual add's): dx has `math::backward_row_adding`'s bits, row by
+        // row, and the weight's gradient the scalar path's (rows over a widened block in half
+        // precision add it row by row, not in pairs) on every instruction set.
+        let dh: Vec<T> = values(n * rows, 25).into_iter().map(T::from_f32).collect();
+        let check_adding = |rstd: math::Rstd<'_, f32>, form: &str| {
+            let inputs = BackwardInputs {
+                x: &x,
+                dy: &dy,
+                rstd,
+                w: Some(&w[..]),
+                dh: Some(&dh[..]),
+                n,
+                rows_per_group: rows,
+                kernel: Kernel::Scalar,
+                moments: None,
+            };
+            let (mut dx, mut want_acc) = (vec![T::default(); n * rows], start_acc.clone());
+            inputs.run_rows(Kernel::Scalar, 0, &mut dx, Some(&mut want_acc));
+            let mut want_dx = vec![T::default(); n * rows];
+            Kernel::Scalar.run(|| {
+                for (i, dx) in want_dx.chunks_exact_mut(n).enumerate() {
+                    let row = i * n..(i + 1) * n;
+                    math::backward_row_adding::<T, W, f32>(
+                        &x[row.clone()],
+                        Some(&w[..]),
+                        rstd.from_row(i),
+                        &dy[row.clone()],
+                        &dh[row],
+                        dx,
+                        None,
+                    );
+                }
+            });
+            check_kernels_adding(rstd, Some(&dh), &want_dx, &want_acc, form);
+        };
+        check_adding(math::Rstd::Given(&rstd), "given");
         check_kernels(math::Rstd::Given(&rstd), &want_dx, &want_acc, "given");
         // rstd taken from x, block by block: the bits of the forward's rstd given.
         let eps = 1e-5f32;
@@ -817,6 +864,7 @@ fn chunk_backward_matches_row_by_row_on_every_instruction_set() {
             "forward given",
         );
         check_kernels(math::Rstd::FromX(eps), &want_dx, &want_acc, "from x");
+        check_adding(math::Rstd::FromX(eps), "from x");
     }
     for (n, rows) in [
         (1, 1),
