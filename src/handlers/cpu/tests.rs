@@ -1833,7 +1833,8 @@ fn long_float16_rows_backward_matches_the_scalar_path_on_every_instruction_set()
 #[test]
 fn widened_residual_add_matches_the_portable_one() {
     // The fused residual's `h = x + residual` for float16 goes through float32 a piece at a time
-    // where F16C converts it (`widen`): `math::add_into`'s bits, sums rounding either way at
+    // where F16C converts it (`widen`), in one loop on AVX-512 (`avx512::add_f16`):
+    // `math::add_into`'s bits, sums rounding either way at
     // the top of the range, overflowing, cancelling, NaN and infinity among them, over slices
     // of every length to 17 (the conversions' remainders) and across pieces.
     let mut x: Vec<f16> = values(5000, 61).into_iter().map(f16::from_f32).collect();

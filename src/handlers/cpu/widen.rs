@@ -651,6 +651,15 @@ impl CpuElement for f16 {
         residual: &[f16],
         h: &mut [f16],
     ) -> bool {
+        // AVX-512: one loop converting 16 elements each way, no blocks (`avx512::add_f16`).
+        #[cfg(target_arch = "x86_64")]
+        if let Kernel::Avx512(v4) = kernel {
+            kernel.run(
+                #[inline(always)]
+                || super::avx512::add_f16(v4, x, residual, h),
+            );
+            return true;
+        }
         if !kernel.has_f16c() {
             return false;
         }
