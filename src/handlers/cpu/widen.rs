@@ -16,8 +16,9 @@
 //! as do split rows. Both backwards widen rows longer than [`WIDE_BLOCK`] a piece at a time
 //! too (`backward_long_rows`, `layer_backward_long_rows`), and the fused residual add widens
 //! (`add_widened`). The RMS norm's explicit AVX-512 loops convert float16 themselves
-//! (`cpu::avx512`) and come first where they apply; on AVX-512 the slice conversions here are
-//! inlined `vcvtph2ps`/`vcvtps2ph` (`Kernel::f16_to_f32`).
+//! (`cpu::avx512`, the fused residual's backward with dh and its add too) and come first where
+//! they apply; on AVX-512 the slice conversions here are inlined `vcvtph2ps`/`vcvtps2ph`
+//! (`Kernel::f16_to_f32`).
 //!
 //! Through XLA (jax 0.10.2, AVX2 without AVX-512), the float16 RMS forward at 8192x64 took
 //! 1.56 ms before and 0.65 after (bfloat16: 0.44); `make bench` figures in docs/speed.md.
